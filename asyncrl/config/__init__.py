@@ -1,0 +1,1 @@
+"""Typed configs composed from YAML (see loader.py)."""

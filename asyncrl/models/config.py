@@ -228,7 +228,7 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # Small enough to train end to end on a 2-core laptop CPU in minutes.
     "tiny": ModelConfig(
-        family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
+        family="qwen3", vocab_size=128, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         max_position_embeddings=512,
     ),

@@ -1,0 +1,55 @@
+"""Inference engine config (the blog's InferenceConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from asyncrl.config.validate import check, check_choice
+
+DEFAULT_THINK_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now.\n</think>"
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    group_size: int = 8
+    """Samples drawn per prompt (G). Each finished group becomes one rollout record."""
+    max_decode_batch_size: int = 8
+    """In-flight rows per replica in the continuous-batching loop."""
+    max_prefill_prompts: int = 4
+    """Prompts prefilled together; the decode loop then draws group_size rows from each."""
+    max_seq_len: int = 64
+    """Prompt plus completion length; a row reaching it is stopped with a forced EOS (logprob 0)."""
+    min_prefill_bucket: int = 16
+    """Smallest power-of-two prompt bucket; prompts are padded to the next power of two at or above this."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy. Logprobs are log_softmax(logits / temperature) (see sampling.py)."""
+    reasoning_budget: Optional[int] = None
+    """If set, a row that has not emitted the end-of-think token by this length gets `think_phrase` forced in."""
+    think_phrase: str = DEFAULT_THINK_PHRASE
+    """Phrase forced at the reasoning budget; must end with the tokenizer's end-of-think token."""
+    tp: int = 1
+    """Devices per replica (tensor parallel). Local devices are split into groups of tp, one replica each."""
+    replica_mode: str = "threads"
+    """'threads': one independent replica per device group, each driven by its own thread (the blog's default).
+    'spmd': a single dp x tp mesh over the local devices, batch sharded over dp, shard_map row substitution."""
+    params_dtype: str = "bfloat16"
+    """Dtype of the weights the trainer sends to inference."""
+    kv_cache_dtype: str = "bfloat16"
+    """Dtype of the KV cache."""
+
+    def __post_init__(self) -> None:
+        check("inference.group_size", self.group_size, self.group_size >= 1, ">= 1")
+        check("inference.max_decode_batch_size", self.max_decode_batch_size, self.max_decode_batch_size >= 1, ">= 1")
+        check("inference.max_prefill_prompts", self.max_prefill_prompts, self.max_prefill_prompts >= 1, ">= 1")
+        check("inference.max_seq_len", self.max_seq_len, self.max_seq_len >= 2, ">= 2")
+        b = self.min_prefill_bucket
+        check("inference.min_prefill_bucket", b, b >= 1 and (b & (b - 1)) == 0, "a power of two >= 1")
+        check("inference.temperature", self.temperature, self.temperature >= 0, ">= 0 (0 = greedy)")
+        if self.reasoning_budget is not None:
+            check("inference.reasoning_budget", self.reasoning_budget, 0 < self.reasoning_budget < self.max_seq_len,
+                  f"in (0, max_seq_len={self.max_seq_len})")
+        check("inference.tp", self.tp, self.tp >= 1, ">= 1")
+        check_choice("inference.replica_mode", self.replica_mode, ("threads", "spmd"))
+        check_choice("inference.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
+        check_choice("inference.kv_cache_dtype", self.kv_cache_dtype, ("float32", "bfloat16", "float16"))

@@ -1,0 +1,240 @@
+"""One decoder for Llama 3/3.1 and Qwen3: functions over the `Params` pytree.
+
+Shapes: B batch, T new tokens, S cache length, D width, H query heads, K kv heads, G = H/K, Dh head dim,
+F MLP width, V vocab, L layers.
+
+Sequence semantics (shared by training, prefill and decode):
+- `x` is right-padded; `sequence_lens[b]` is the number of valid tokens of row b in *this call*.
+- Without a cache, row b's tokens sit at positions 0..sequence_lens[b]-1.
+- With a cache, they are written at positions cache.length[b] + t and the cache length grows by
+  sequence_lens[b]. A prefill is the same call on an empty cache; a decode step is a call with T=1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from asyncrl.models import params as params_lib
+from asyncrl.models.config import ModelConfig
+from asyncrl.models.kvcache import KV_AXES, LENGTH_AXES, KVCache, write_rows
+from asyncrl.models.params import LayerParams, Params
+from asyncrl.models.rope import apply_rope, rope_tables
+from asyncrl.sharding.rules import ShardingRules
+
+_NEG_INF = -1e30
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """HF RMSNorm: normalize in fp32, cast back, then scale (the cast order matters for bf16 parity)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
+    """GQA attention. q: [B, T, H, Dh]; k, v: [B, S, K, Dh]; q_pos: [B, T]; kv_len: [B]. -> [B, T, H, Dh].
+
+    Key j of row b is visible to query t iff j <= q_pos[b, t] (causal) and j < kv_len[b] (written)."""
+    B, T, H, Dh = q.shape
+    S, K = k.shape[1], k.shape[2]
+    qg = q.reshape(B, T, K, H // K, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(Dh)
+    j = jnp.arange(S)
+    visible = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])  # [B, T, S]
+    scores = jnp.where(visible[:, None, None, :, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, H, Dh)
+
+
+def _explicit_mesh():
+    """The active mesh if it has Explicit axes (sharding in types), else None."""
+    m = jax.sharding.get_abstract_mesh()
+    return None if m.empty or not m.explicit_axes else m
+
+
+def _drop_axes(entry: Any, drop: set[str]) -> Any:
+    if entry is None:
+        return None
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in drop)
+    return None if not kept else (kept[0] if len(kept) == 1 else kept)
+
+
+@dataclass(frozen=True)
+class Model:
+    """Stateless model: `cfg` is static, params are always passed in (so they are jit arguments, never constants).
+
+    `rules` optionally names the activation layout (batch axes etc.) used when a mesh is active."""
+
+    cfg: ModelConfig
+    rules: ShardingRules | None = None
+
+    # ---- caches ---------------------------------------------------------------------------------------------
+
+    def init_kv_cache(self, batch: int, length: int, dtype: Any = jnp.float32, sharding: Any = None) -> KVCache:
+        """Zeroed cache of `length` positions. `sharding` is a KVCache of shardings, a mesh (rules apply), or None."""
+        c = self.cfg
+        shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+        if isinstance(sharding, jax.sharding.Mesh):
+            sharding = self.kv_cache_sharding(sharding, batch, length, dtype)
+
+        def make():
+            z = jnp.zeros(shape, dtype)
+            return KVCache(k=z, v=z, length=jnp.zeros((batch,), jnp.int32))
+
+        if sharding is None:
+            return make()
+        return jax.jit(make, out_shardings=sharding)()
+
+    def kv_cache_sharding(self, mesh: jax.sharding.Mesh, batch: int, length: int, dtype: Any = jnp.float32) -> KVCache:
+        rules = self.rules or ShardingRules()
+        c = self.cfg
+        shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+        kv = rules.sharding(mesh, KV_AXES, shape, name="kv_cache")
+        return KVCache(k=kv, v=kv, length=rules.sharding(mesh, LENGTH_AXES, (batch,), name="kv_cache.length"))
+
+    # ---- explicit sharding ----------------------------------------------------------------------------------
+    # Under an Explicit mesh every op must have an unambiguous output sharding. Two things need saying:
+    # weights stored sharded over a *data* axis (FSDP) are all-gathered right before use, and contractions
+    # over a tensor-parallel axis (wo, w_down) name their output layout, which makes XLA insert the psum.
+
+    def _data_axes(self, mesh) -> set[str]:
+        rules = self.rules or ShardingRules()
+        return {a for a in rules.mesh_axes("batch") if a in mesh.axis_names}
+
+    def _act_spec(self, mesh, ndim: int) -> P:
+        axes = tuple(a for a in (self.rules or ShardingRules()).mesh_axes("batch") if a in mesh.axis_names)
+        first = None if not axes else (axes[0] if len(axes) == 1 else axes)
+        return P(first, *([None] * (ndim - 1)))
+
+    def _use(self, w: jax.Array) -> jax.Array:
+        """Compute view of a stored weight: FSDP shards gathered, tensor-parallel shards kept."""
+        mesh = _explicit_mesh()
+        if mesh is None or w is None:
+            return w
+        spec = jax.typeof(w).sharding.spec
+        drop = self._data_axes(mesh)
+        new = P(*[_drop_axes(e, drop) for e in spec])
+        return w if tuple(new) == tuple(spec) else jax.sharding.reshard(w, new)
+
+    def _contract(self, eq: str, x: jax.Array, w: jax.Array, **kw: Any) -> jax.Array:
+        mesh = _explicit_mesh()
+        if mesh is None:
+            return jnp.einsum(eq, x, w, **kw)
+        out_ndim = len(eq.split("->")[1])
+        return jnp.einsum(eq, x, w, out_sharding=self._act_spec(mesh, out_ndim), **kw)
+
+    # ---- forward --------------------------------------------------------------------------------------------
+
+    def apply(
+        self,
+        params: Params,
+        x: jax.Array,
+        sequence_lens: jax.Array,
+        kv_cache: KVCache | None = None,
+        apply_lm_head: bool = True,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """x: [B, T] int, sequence_lens: [B]. Returns (logits [B, T, V] fp32 or hidden [B, T, D], new cache)."""
+        c = self.cfg
+        B, T = x.shape
+        sequence_lens = sequence_lens.astype(jnp.int32)
+        with jax.named_scope("embed"):
+            mesh = _explicit_mesh()
+            if mesh is None:
+                h = jnp.take(params.embed, x, axis=0)  # [B, T, D]
+            else:  # the lookup wants the whole table; the output follows the batch layout
+                embed = jax.sharding.reshard(params.embed, P())
+                x = jax.sharding.reshard(x, self._act_spec(mesh, 2))
+                h = embed.at[x].get(out_sharding=self._act_spec(mesh, 3))
+        start = jnp.zeros((B,), jnp.int32) if kv_cache is None else kv_cache.length
+        q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+        kv_len = start + sequence_lens
+        cos, sin = rope_tables(c, q_pos)
+
+        def block(h: jax.Array, layer: LayerParams, cache_k: jax.Array | None, cache_v: jax.Array | None):
+            layer = jax.tree.map(self._use, layer)
+            with jax.named_scope("attn"):
+                a = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+                q = jnp.einsum("btd,dhk->bthk", a, layer.wq)
+                k = jnp.einsum("btd,dhk->bthk", a, layer.wk)
+                v = jnp.einsum("btd,dhk->bthk", a, layer.wv)
+                if c.qk_norm:
+                    q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                    k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                if cache_k is not None:
+                    cache_k = write_rows(cache_k, k, start)
+                    cache_v = write_rows(cache_v, v, start)
+                    k_all, v_all = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
+                else:
+                    k_all, v_all = k, v
+                o = attention(q, k_all, v_all, q_pos, kv_len)
+                h = h + self._contract("bthk,hkd->btd", o, layer.wo)
+            with jax.named_scope("mlp"):
+                m = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
+                gate = jnp.einsum("btd,df->btf", m, layer.w_gate)
+                up = jnp.einsum("btd,df->btf", m, layer.w_up)
+                h = h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
+            return h, cache_k, cache_v
+
+        if kv_cache is None:
+            def body(h, layer):
+                h, _, _ = block(h, layer, None, None)
+                return h, None
+
+            h, _ = jax.lax.scan(body, h, params.layers)
+            new_cache = None
+        else:
+            def body_cached(h, xs):
+                layer, ck, cv = xs
+                h, ck, cv = block(h, layer, ck, cv)
+                return h, (ck, cv)
+
+            h, (ks, vs) = jax.lax.scan(body_cached, h, (params.layers, kv_cache.k, kv_cache.v))
+            new_cache = KVCache(k=ks, v=vs, length=kv_len)
+
+        h = rms_norm(h, self._use(params.final_norm), c.rms_norm_eps)
+        if not apply_lm_head:
+            return h, new_cache
+        return self.lm_head(params, h), new_cache
+
+    def lm_head_weight(self, params: Params) -> jax.Array:
+        """[D, V] LM head (the transposed embedding when tied)."""
+        return self._use(params.embed).T if params.lm_head is None else self._use(params.lm_head)
+
+    def lm_head(self, params: Params, h: jax.Array) -> jax.Array:
+        """[..., D] -> fp32 logits [..., V]."""
+        return jnp.einsum("...d,dv->...v", h, self.lm_head_weight(params), preferred_element_type=jnp.float32)
+
+    def get_logprobs(self, params: Params, tokens: jax.Array, seq_lens: jax.Array, temperature: float = 1.0) -> jax.Array:
+        """[B, T] tokens -> [B, T-1] log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / temperature).
+
+        Positions at or past seq_lens-1 are 0. Temperature semantics: see `asyncrl/inference/sampling.py`."""
+        h, _ = self.apply(params, tokens, seq_lens, apply_lm_head=False)
+        logits = self.lm_head(params, h[:, :-1]) / (temperature if temperature > 0 else 1.0)
+        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, 1:, None], axis=-1)[..., 0]
+        valid = jnp.arange(tokens.shape[1] - 1)[None, :] < (seq_lens[:, None] - 1)
+        return jnp.where(valid, lp, 0.0)
+
+    # ---- params helpers -------------------------------------------------------------------------------------
+
+    def init_params(self, key: jax.Array, dtype: Any = jnp.float32, mesh: jax.sharding.Mesh | None = None) -> Params:
+        shardings = None if mesh is None else self.param_shardings(mesh, dtype)
+        return params_lib.init_params(self.cfg, key, dtype, shardings)
+
+    def param_shardings(self, mesh: jax.sharding.Mesh, dtype: Any = jnp.float32) -> Params:
+        return params_lib.param_shardings(self.cfg, mesh, self.rules or ShardingRules(), dtype)
+
+    def with_rules(self, rules: ShardingRules | None) -> "Model":
+        return dataclasses.replace(self, rules=rules)
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

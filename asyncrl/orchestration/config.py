@@ -1,0 +1,103 @@
+"""Configs of the async loop: roles and staleness, eval cadence, checkpoints, logging, and the run itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from asyncrl.config.validate import check, check_choice
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    train_workers: int = 1
+    """Hosts (JAX processes) that train; the remaining hosts run inference. Must divide the host count."""
+    max_lag: int = 1
+    """Drop a group whose oldest sample was started more than this many weight versions ago."""
+    queue_timeout_s: float = 300.0
+    """Longest any blocking queue get/put waits before failing with a message naming who waited for what."""
+    rollout_queue_size: int = 0
+    """Bound of the rollout queue in groups; 0 means 2 x prompts per step."""
+
+    def __post_init__(self) -> None:
+        check("async.train_workers", self.train_workers, self.train_workers >= 1, ">= 1")
+        check("async.max_lag", self.max_lag, self.max_lag >= 0, ">= 0")
+        check("async.queue_timeout_s", self.queue_timeout_s, self.queue_timeout_s > 0, "> 0")
+        check("async.rollout_queue_size", self.rollout_queue_size, self.rollout_queue_size >= 0, ">= 0")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every_n_steps: int = 10
+    """Run the held-out eval set every this many train steps (and before step 1 and after the last). 0 = off."""
+    num_prompts: int = 32
+    """Held-out prompts per eval."""
+    group_size: int = 4
+    """Samples per eval prompt (n of pass@k; k <= n are reported)."""
+    temperature: Optional[float] = None
+    """Eval sampling temperature; None uses inference.temperature."""
+
+    def __post_init__(self) -> None:
+        check("eval.every_n_steps", self.every_n_steps, self.every_n_steps >= 0, ">= 0")
+        check("eval.num_prompts", self.num_prompts, self.num_prompts >= 1, ">= 1")
+        check("eval.group_size", self.group_size, self.group_size >= 1, ">= 1")
+        if self.temperature is not None:
+            check("eval.temperature", self.temperature, self.temperature >= 0, ">= 0")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_n_steps: int = 0
+    """Save params, optimizer state, step, RNG and data position every this many steps. 0 = off."""
+    keep: int = 2
+    """How many recent checkpoints to keep."""
+    resume: bool = True
+    """Continue from the latest checkpoint in run_dir/checkpoints if one exists."""
+    export_hf: bool = False
+    """At the end, also write the final policy as a Hugging Face folder in run_dir/hf."""
+
+    def __post_init__(self) -> None:
+        check("checkpoint.every_n_steps", self.every_n_steps, self.every_n_steps >= 0, ">= 0")
+        check("checkpoint.keep", self.keep, self.keep >= 1, ">= 1")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: str = "INFO"
+    """Python log level for every process."""
+    tensorboard: bool = True
+    """Write tensorboardX events to run_dir/tb."""
+    ray_metrics: bool = True
+    """Export metrics as Ray Gauges (visible in the Ray dashboard)."""
+    progress: bool = True
+    """Show a live progress line on the driver."""
+
+    def __post_init__(self) -> None:
+        check_choice("logging.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    """Run name; the run directory defaults to runs/<name>."""
+    run_dir: Optional[str] = None
+    """Where metrics, checkpoints, tensorboard events and plots go. None -> runs/<name>."""
+    seed: int = 0
+    """Seed for params init, sampling and data order."""
+    hosts: int = 2
+    """Simulated hosts for a local run (ignored on a real cluster, where one host = one TPU VM)."""
+    devices_per_host: int = 1
+    """Fake CPU devices per simulated host."""
+    max_restarts: int = 1
+    """On a dead host actor: restart all hosts from the latest checkpoint this many times, then fail."""
+    platform: str = "auto"
+    """'cpu' forces the CPU backend on every host; 'auto' lets JAX choose (TPU/GPU when present)."""
+    startup_timeout_s: float = 180.0
+    """Longest the driver waits for all hosts to join jax.distributed."""
+
+    def __post_init__(self) -> None:
+        check("run.hosts", self.hosts, self.hosts >= 2, ">= 2 (at least one trainer and one inference host)")
+        check("run.devices_per_host", self.devices_per_host, self.devices_per_host >= 1, ">= 1")
+        check("run.max_restarts", self.max_restarts, self.max_restarts >= 0, ">= 0")
+        check_choice("run.platform", self.platform, ("auto", "cpu", "tpu", "gpu"))
+        check("run.startup_timeout_s", self.startup_timeout_s, self.startup_timeout_s > 0, "> 0")

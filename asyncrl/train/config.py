@@ -1,0 +1,101 @@
+"""Trainer, optimizer and sharding configs (the blog's MeshConfig / ShardingConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncrl.config.validate import check, check_choice
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Training mesh axes. -1 means "all remaining devices"; at most one axis may be -1."""
+
+    dp: int = 1
+    """Pure data parallel replicas (params replicated across dp)."""
+    fsdp: int = -1
+    """Fully sharded data parallel: params and optimizer state are split over this axis; the batch too."""
+    cp_ulysses: int = 1
+    """Context (sequence) parallel axis, kept for Ulysses attention; only 1 is implemented today."""
+
+    def __post_init__(self) -> None:
+        for k in ("dp", "fsdp", "cp_ulysses"):
+            v = getattr(self, k)
+            check(f"sharding.mesh.{k}", v, v == -1 or v >= 1, ">= 1 or -1 (the rest)")
+        check("sharding.mesh", (self.dp, self.fsdp, self.cp_ulysses), [self.dp, self.fsdp, self.cp_ulysses].count(-1) <= 1,
+              "at most one axis set to -1")
+        check("sharding.mesh.cp_ulysses", self.cp_ulysses, self.cp_ulysses in (1, -1) and not (self.cp_ulysses == -1 and -1 in (self.dp, self.fsdp)),
+              "1 (Ulysses context parallelism is not implemented yet)")
+
+    def resolve(self, n_devices: int) -> tuple[int, int, int]:
+        sizes = [self.dp, self.fsdp, self.cp_ulysses]
+        known = 1
+        for s in sizes:
+            if s != -1:
+                known *= s
+        if n_devices % known != 0:
+            raise ValueError(f"sharding.mesh={sizes} does not divide {n_devices} devices")
+        sizes = [n_devices // known if s == -1 else s for s in sizes]
+        if sizes[0] * sizes[1] * sizes[2] != n_devices:
+            raise ValueError(f"sharding.mesh={sizes} uses {sizes[0] * sizes[1] * sizes[2]} devices, but {n_devices} are given")
+        return sizes[0], sizes[1], sizes[2]
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """Axis sizes of the trainer mesh."""
+    min_bytes_for_fsdp: int = 10_000_000
+    """Params smaller than this (or 1-D) are replicated: sharding them only adds collective latency."""
+    fsdp_axis: str = "embed"
+    """Logical axis (dimension) along which a weight is sharded over fsdp: embed, vocab, mlp, heads, layers."""
+    opt_state_offload: bool = False
+    """Keep optimizer state in pinned host memory between steps (TPU/GPU only; ignored on CPU)."""
+
+    def __post_init__(self) -> None:
+        check("sharding.min_bytes_for_fsdp", self.min_bytes_for_fsdp, self.min_bytes_for_fsdp >= 0, ">= 0")
+        check_choice("sharding.fsdp_axis", self.fsdp_axis, ("embed", "vocab", "mlp", "heads", "layers"))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    total_steps: int = 100
+    """Optimizer steps to run."""
+    train_batch_size: int = 64
+    """Sequences per step across all trainer hosts (= prompts per step x group_size)."""
+    grad_accum_steps: int = 1
+    """Micro-batches per step; the batch is split evenly and gradients summed (normalized over the full batch)."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of lr."""
+    warmup_steps: int = 0
+    """Linear warmup steps from 0 to lr."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    b1: float = 0.9
+    """Adam beta1."""
+    b2: float = 0.999
+    """Adam beta2."""
+    max_grad_norm: float = 1.0
+    """Global-norm gradient clipping threshold (0 disables)."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk in the fused LM-head logprob scan (bounds the [chunk, V] temporary)."""
+    pad_to_multiple: int = 16
+    """Train sequences are padded to a multiple of this (bounded set of compiled shapes)."""
+
+    def __post_init__(self) -> None:
+        check("train.total_steps", self.total_steps, self.total_steps >= 1, ">= 1")
+        check("train.train_batch_size", self.train_batch_size, self.train_batch_size >= 1, ">= 1")
+        check("train.grad_accum_steps", self.grad_accum_steps,
+              self.grad_accum_steps >= 1 and self.train_batch_size % self.grad_accum_steps == 0,
+              f">= 1 and divide train.train_batch_size={self.train_batch_size}")
+        check("train.lr", self.lr, self.lr > 0, "> 0")
+        check("train.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
+        check("train.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
+        check("train.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0")
+        check("train.b1", self.b1, 0 <= self.b1 < 1, "in [0, 1)")
+        check("train.b2", self.b2, 0 <= self.b2 < 1, "in [0, 1)")
+        check("train.max_grad_norm", self.max_grad_norm, self.max_grad_norm >= 0, ">= 0")
+        check("train.logprob_chunk_size", self.logprob_chunk_size, self.logprob_chunk_size >= 1, ">= 1")
+        check("train.pad_to_multiple", self.pad_to_multiple, self.pad_to_multiple >= 1, ">= 1")
