@@ -27,4 +27,8 @@ class KVCache:
 
 def write_rows(cache_l: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write new[b] ([T, K, Dh]) into cache_l[b] ([S, K, Dh]) at row offset start[b], for every row b."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.explicit_axes:
+        # The update must be laid out like the cache (batch rows and KV heads on the same devices).
+        new = jax.sharding.reshard(new, jax.typeof(cache_l).sharding.spec)
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0))(cache_l, new, start)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from asyncrl.config.validate import check, check_choice
+
 LOSS_NAMES = ("cispo", "grpo", "dr_grpo", "dapo", "rloo")
 NORMALIZATIONS = ("seq_mean", "token_mean", "constant")
 
@@ -43,22 +45,12 @@ class LossConfig:
     the batch, which must then be the same for every micro-batch of a step."""
 
     def __post_init__(self) -> None:
-        def bad(field: str, allowed: str) -> ValueError:
-            return ValueError(f"loss.{field}={getattr(self, field)!r} is invalid: allowed {allowed}")
-
-        if self.name not in LOSS_NAMES:
-            raise bad("name", f"one of {LOSS_NAMES}")
-        if not 0.0 <= self.epsilon_low < 1.0:
-            raise bad("epsilon_low", "0 <= epsilon_low < 1")
-        if not self.epsilon_high > 0.0:
-            raise bad("epsilon_high", "epsilon_high > 0")
-        if not self.kl_coef >= 0.0:
-            raise bad("kl_coef", "kl_coef >= 0")
-        if self.tis_cap is not None and not self.tis_cap >= 1.0:
-            raise bad("tis_cap", "None or tis_cap >= 1")
-        if not self.std_eps > 0.0:
-            raise bad("std_eps", "std_eps > 0")
-        if self.normalization is not None and self.normalization not in NORMALIZATIONS:
-            raise bad("normalization", f"None or one of {NORMALIZATIONS}")
-        if self.max_tokens is not None and not self.max_tokens >= 1:
-            raise bad("max_tokens", "None or max_tokens >= 1")
+        check_choice("loss.name", self.name, LOSS_NAMES)
+        check("loss.epsilon_low", self.epsilon_low, 0.0 <= self.epsilon_low < 1.0, "in [0, 1)")
+        check("loss.epsilon_high", self.epsilon_high, self.epsilon_high > 0.0, "> 0")
+        check("loss.kl_coef", self.kl_coef, self.kl_coef >= 0.0, ">= 0 (0 turns the KL term off)")
+        check("loss.tis_cap", self.tis_cap, self.tis_cap is None or self.tis_cap >= 1.0, "null (off) or >= 1")
+        check("loss.std_eps", self.std_eps, self.std_eps > 0.0, "> 0")
+        if self.normalization is not None:
+            check_choice("loss.normalization", self.normalization, NORMALIZATIONS)
+        check("loss.max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1, "null or >= 1")

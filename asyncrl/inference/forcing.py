@@ -1,0 +1,59 @@
+"""Tokens the engine forces instead of sampling: EOS at the length limit, and the reasoning-budget phrase.
+
+Both return a `forced` mask so the loss can keep tokens the policy did not choose out of the gradient (the
+blog's versions don't mark them). All shapes are fixed; `index` is where the new token will be written.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def force_eos(
+    token: jax.Array,  # [B]
+    logprob: jax.Array,  # [B]
+    forced: jax.Array,  # [B] bool
+    index: jax.Array,  # [B] position the token is written at (0-based, counting the prompt)
+    *,
+    max_seq_len: int,
+    eos_id: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Returns (token, logprob, forced, stop, hit_length). The last slot (index == max_seq_len-1) always gets
+    EOS with logprob 0, so every finished row ends in EOS and fits max_seq_len."""
+    hit_length = index + 1 >= max_seq_len
+    sampled_eos = token == eos_id
+    length_forced = hit_length & ~sampled_eos
+    token = jnp.where(hit_length, eos_id, token)
+    logprob = jnp.where(length_forced, 0.0, logprob)
+    return token, logprob, forced | length_forced, sampled_eos | hit_length, length_forced
+
+
+def force_end_of_think(
+    token: jax.Array,  # [B]
+    logprob: jax.Array,  # [B]
+    end_of_think: jax.Array,  # [B] bool: the row has already closed its thinking
+    index: jax.Array,  # [B]
+    prompt_len: jax.Array,  # [B]
+    *,
+    budget: int,
+    phrase: Sequence[int],
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Insert `phrase` (ending in the end-of-think token) so that it ends exactly at `budget` completion tokens.
+
+    Completion position c = index - prompt_len. Phrase token t is written at c == budget - len(phrase) + t, for
+    rows that have not ended thinking on their own. Returns (token, logprob, forced, end_of_think)."""
+    n = len(phrase)
+    think_id = int(phrase[-1])
+    c = index - prompt_len
+    forced = jnp.zeros_like(end_of_think)
+    new_token = token
+    for t, tok in enumerate(phrase):
+        hit = (c == budget - n + t) & ~end_of_think
+        new_token = jnp.where(hit, int(tok), new_token)
+        forced = forced | hit
+    logprob = jnp.where(forced, 0.0, logprob)
+    end_of_think = end_of_think | (new_token == think_id)
+    return new_token, logprob, forced, end_of_think

@@ -1,0 +1,138 @@
+"""A host's inference replicas: local devices split into groups of `tp`, one engine (and thread) per group,
+or one SPMD engine over a `dp x tp` mesh.
+
+'threads' is the blog's default: replicas never talk to each other, so each runs its own decode loop on its own
+devices. 'spmd' is the alternative the blog measured: the decode batch is sharded over `dp` and the row
+substitution is a `shard_map` that only touches the device holding the row.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from asyncrl.inference.config import InferenceConfig
+from asyncrl.inference.engine import Engine, Request
+from asyncrl.inference.rollout import Rollout
+from asyncrl.models.tokenizer import Tokenizer
+from asyncrl.models.transformer import Model
+from asyncrl.sharding.rules import tensor_parallel_rules
+
+log = logging.getLogger(__name__)
+
+
+def replica_meshes(devices: Sequence[Any], tp: int) -> list[Mesh]:
+    devs = np.asarray(devices)
+    if devs.size % tp != 0:
+        raise ValueError(f"inference.tp={tp} does not divide the {devs.size} local devices")
+    return [Mesh(g, ("tp",), axis_types=(AxisType.Explicit,)) for g in devs.reshape(-1, tp)]
+
+
+def spmd_mesh(devices: Sequence[Any], tp: int) -> Mesh:
+    devs = np.asarray(devices)
+    if devs.size % tp != 0:
+        raise ValueError(f"inference.tp={tp} does not divide the {devs.size} local devices")
+    return Mesh(devs.reshape(-1, tp), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Explicit))
+
+
+def place_params(params: Any, shardings: Any) -> Any:
+    """Put params on a replica's layout. Where a leaf already holds a full copy on each target device (what the
+    weight-sync hop chain delivers), the replica's array is a zero-copy view of those buffers."""
+
+    def one(x: jax.Array, sh: NamedSharding) -> jax.Array:
+        if isinstance(x, jax.Array) and all(e is None for e in sh.spec):
+            by_dev = {s.device: s.data for s in x.addressable_shards if s.data.shape == x.shape}
+            targets = list(sh.mesh.devices.flat)
+            if all(d in by_dev for d in targets):
+                return jax.make_array_from_single_device_arrays(x.shape, sh, [by_dev[d] for d in targets])
+        return jax.device_put(x, sh)
+
+    return jax.tree.map(one, params, shardings)
+
+
+class ReplicaSet:
+    """All replicas of one host. `generate` is the offline/eval entry; `serve` runs them continuously."""
+
+    def __init__(
+        self,
+        model: Model,
+        params: Any,
+        cfg: InferenceConfig,
+        tokenizer: Tokenizer | None,
+        *,
+        devices: Sequence[Any] | None = None,
+        seed: int = 0,
+        version: int = 0,
+        eos_id: int | None = None,
+        name: str = "host",
+        substitute: str = "auto",
+    ):
+        self.cfg = cfg
+        devices = list(devices) if devices is not None else jax.local_devices()
+        self.engines: list[Engine] = []
+        if cfg.replica_mode == "spmd":
+            mesh = spmd_mesh(devices, cfg.tp)
+            dp = mesh.shape["dp"]
+            if cfg.max_decode_batch_size % dp != 0:
+                raise ValueError(f"inference.max_decode_batch_size={cfg.max_decode_batch_size} must divide over dp={dp}")
+            m = model.with_rules(tensor_parallel_rules("tp", data_axis="dp"))
+            self.engines.append(Engine(m, place_params(params, m.param_shardings(mesh)), cfg, tokenizer, eos_id=eos_id,
+                                       mesh=mesh, seed=seed, version=version, name=f"{name}/spmd", substitute=substitute))
+        else:
+            for i, mesh in enumerate(replica_meshes(devices, cfg.tp)):
+                m = model.with_rules(tensor_parallel_rules("tp"))
+                self.engines.append(Engine(m, place_params(params, m.param_shardings(mesh)), cfg, tokenizer,
+                                           eos_id=eos_id, mesh=mesh, seed=seed + 1000 * i, version=version,
+                                           name=f"{name}/r{i}"))
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def set_params(self, params: Any, version: int) -> None:
+        for e in self.engines:
+            e.set_params(place_params(params, e.model.param_shardings(e.mesh)), version)
+
+    def generate(self, requests: Sequence[Request], on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
+        """Sample every request; rollouts come back in request order (payload order is kept by index)."""
+        indexed = [Request(r.tokens, r.n, (i, r.payload), r.is_eval) for i, r in enumerate(requests)]
+        chunks: "queue.Queue[list[Request]]" = queue.Queue()
+        step = self.cfg.max_prefill_prompts
+        for s in range(0, len(indexed), step):
+            chunks.put(indexed[s : s + step])
+        results: list[Rollout] = []
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+
+        def collect(r: Rollout) -> None:
+            with lock:
+                results.append(r)
+
+        def work(engine: Engine) -> None:
+            try:
+                while True:
+                    try:
+                        chunk = chunks.get_nowait()
+                    except queue.Empty:
+                        break
+                    engine.generate(chunk, drain=False, on_group=collect)
+                engine.generate([], drain=True, on_group=collect)
+            except BaseException as e:  # surfaced to the caller below, never swallowed
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(e,), name=e.name, daemon=True) for e in self.engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        results.sort(key=lambda r: r.sample[0])
+        for r in results:
+            r.sample = r.sample[1]
+        return results

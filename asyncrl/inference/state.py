@@ -1,0 +1,93 @@
+"""Fixed-shape decode state, and the row operations of continuous batching on it.
+
+The same pytree holds a prefill batch ([P] rows) and the in-flight decode batch ([B] rows). Every field has the
+row (batch) axis first except the KV cache, whose leaves are [L, B, S, K, Dh].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from asyncrl.models.kvcache import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DecodeState:
+    next_token: Any  # [B] int32: token fed at the next step (written to the cache at kv.length)
+    kv: KVCache  # k, v [L, B, S, K, Dh]; length [B]
+    key: Any  # [2] uint32 PRNG key
+    tokens: Any  # [B, S] int32: prompt + generated tokens
+    logprobs: Any  # [B, S] f32: sampler logprob of each generated token (0 on prompt and forced tokens)
+    forced: Any  # [B, S] bool: token was forced by the engine
+    versions: Any  # [B, S] int32: weight version in force when the token was produced
+    prompt_len: Any  # [B] int32
+    slot: Any  # [B] int32: host-side id of the (prompt, sample) in the row; -1 if none
+    active: Any  # [B] bool: row holds a live sample
+    stop: Any  # [B] bool: row finished (EOS or length) and awaits extraction
+    end_of_think: Any  # [B] bool
+    steps: Any  # [] int32: decode steps run so far (metrics)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class FinishedRow:
+    """One extracted row. `slot` is -1 when the call extracted nothing (it only filled a free row)."""
+
+    tokens: Any  # [S]
+    logprobs: Any  # [S]
+    forced: Any  # [S]
+    versions: Any  # [S]
+    prompt_len: Any  # []
+    length: Any  # [] total tokens (prompt + completion)
+    slot: Any  # []
+    hit_length: Any  # [] bool: stopped by the length limit rather than a sampled EOS
+    steps: Any  # [] decode steps this call ran
+
+
+def _row_update(dst: jax.Array, src_row: jax.Array, row: jax.Array, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(dst, src_row.astype(dst.dtype), row, axis=axis)
+
+
+def _row_take(x: jax.Array, row: jax.Array, axis: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, row, 1, axis=axis)
+
+
+def insert_row(state: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.Array, slot: jax.Array) -> DecodeState:
+    """Copy prefill row `p` (its KV cache, prompt, next token) into decode row `row` and mark it live."""
+
+    def mv(dst, src, axis=0):
+        return _row_update(dst, _row_take(src, p, axis), row, axis)
+
+    kv = KVCache(k=mv(state.kv.k, prefill.kv.k, 1), v=mv(state.kv.v, prefill.kv.v, 1), length=mv(state.kv.length, prefill.kv.length))
+    one = lambda v, dtype: jnp.full((1,), v, dtype)  # noqa: E731
+    return DecodeState(
+        next_token=mv(state.next_token, prefill.next_token),
+        kv=kv,
+        key=state.key,
+        tokens=mv(state.tokens, prefill.tokens),
+        logprobs=mv(state.logprobs, prefill.logprobs),
+        forced=mv(state.forced, prefill.forced),
+        versions=mv(state.versions, prefill.versions),
+        prompt_len=mv(state.prompt_len, prefill.prompt_len),
+        slot=_row_update(state.slot, one(slot, jnp.int32), row, 0),
+        active=_row_update(state.active, one(True, jnp.bool_), row, 0),
+        stop=_row_update(state.stop, one(False, jnp.bool_), row, 0),
+        end_of_think=mv(state.end_of_think, prefill.end_of_think),
+        steps=state.steps,
+    )
+
+
+def deactivate_row(state: DecodeState, row: jax.Array) -> DecodeState:
+    """Free a row. Elementwise on a row mask, so it is valid for any layout of the rows."""
+    sel = jnp.arange(state.active.shape[0]) == row
+    return DecodeState(
+        **{**state.__dict__,
+           "active": state.active & ~sel,
+           "stop": state.stop & ~sel,
+           "slot": jnp.where(sel, -1, state.slot)}
+    )
