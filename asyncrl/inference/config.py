@@ -20,6 +20,8 @@ class InferenceConfig:
     """Prompts prefilled together; the decode loop then draws group_size rows from each."""
     max_seq_len: int = 64
     """Prompt plus completion length; a row reaching it is stopped with a forced EOS (logprob 0)."""
+    max_new_tokens: Optional[int] = None
+    """Optional cap on sampled tokens per row (a forced EOS follows); None means only max_seq_len limits."""
     min_prefill_bucket: int = 16
     """Smallest power-of-two prompt bucket; prompts are padded to the next power of two at or above this."""
     temperature: float = 1.0
@@ -43,6 +45,8 @@ class InferenceConfig:
         check("inference.max_decode_batch_size", self.max_decode_batch_size, self.max_decode_batch_size >= 1, ">= 1")
         check("inference.max_prefill_prompts", self.max_prefill_prompts, self.max_prefill_prompts >= 1, ">= 1")
         check("inference.max_seq_len", self.max_seq_len, self.max_seq_len >= 2, ">= 2")
+        if self.max_new_tokens is not None:
+            check("inference.max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, ">= 1")
         b = self.min_prefill_bucket
         check("inference.min_prefill_bucket", b, b >= 1 and (b & (b - 1)) == 0, "a power of two >= 1")
         check("inference.temperature", self.temperature, self.temperature >= 0, ">= 0 (0 = greedy)")

@@ -156,7 +156,7 @@ class Engine:
         ns = lambda *spec: NamedSharding(m, P(*spec))  # noqa: E731
         return DecodeState(
             next_token=ns(b), kv=kv, key=ns(), tokens=ns(b, None), logprobs=ns(b, None), forced=ns(b, None),
-            versions=ns(b, None), prompt_len=ns(b), slot=ns(b), active=ns(b), stop=ns(b), end_of_think=ns(b),
+            versions=ns(b, None), prompt_len=ns(b), limit=ns(b), slot=ns(b), active=ns(b), stop=ns(b), end_of_think=ns(b),
             steps=ns(),
         )
 
@@ -175,6 +175,7 @@ class Engine:
             forced=jnp.zeros((rows, self.S), jnp.bool_),
             versions=jnp.zeros((rows, self.S), jnp.int32),
             prompt_len=jnp.zeros((rows,), jnp.int32),
+            limit=jnp.full((rows,), self.S, jnp.int32),
             slot=jnp.full((rows,), -1, jnp.int32),
             active=jnp.zeros((rows,), jnp.bool_),
             stop=jnp.zeros((rows,), jnp.bool_),
@@ -197,6 +198,8 @@ class Engine:
             last = jnp.take_along_axis(tokens, jnp.maximum(lens - 1, 0)[:, None], axis=1)[:, 0]
             out = jax.lax.dynamic_update_slice_in_dim(state.tokens, tokens, 0, axis=1)
             state.kv, state.next_token, state.tokens, state.prompt_len = kv, last, out, lens
+            if self.cfg.max_new_tokens is not None:  # +1: the forced EOS slot after max_new_tokens sampled ones
+                state.limit = jnp.minimum(lens + self.cfg.max_new_tokens + 1, self.S)
             return state
 
     def _decode_step(self, params: Any, s: DecodeState, version: jax.Array) -> DecodeState:
@@ -215,7 +218,7 @@ class Engine:
                 tok, lp, forced, eot = force_end_of_think(
                     tok, lp, eot, index, s.prompt_len, budget=cfg.reasoning_budget, phrase=self.phrase
                 )
-            tok, lp, forced, stop_now, _ = force_eos(tok, lp, forced, index, max_seq_len=self.S, eos_id=self.eos_id)
+            tok, lp, forced, stop_now, _ = force_eos(tok, lp, forced, index, limit=s.limit, eos_id=self.eos_id)
         # A position mask instead of a scatter: elementwise, so it keeps the rows' layout under any sharding.
         # Dead rows match no position and keep their outputs.
         at = (jnp.arange(self.S)[None, :] == index[:, None]) & live[:, None]  # [B, S]
@@ -229,6 +232,7 @@ class Engine:
             forced=put(s.forced, forced),
             versions=put(s.versions, jnp.broadcast_to(version, tok.shape)),
             prompt_len=s.prompt_len,
+            limit=s.limit,
             slot=s.slot,
             active=s.active,
             stop=s.stop | (live & stop_now),
@@ -266,6 +270,7 @@ class Engine:
             tokens=take(s.tokens), logprobs=take(s.logprobs), forced=take(s.forced), versions=take(s.versions),
             prompt_len=take(s.prompt_len), length=length, slot=jnp.where(any_done, take(s.slot), -1),
             hit_length=take(s.forced)[jnp.clip(length - 1, 0, self.S - 1)], steps=s.steps - steps0,
+            end_of_think=take(s.end_of_think),
         )
         with jax.named_scope("sub_next_batch"):
             s = jax.lax.cond(
@@ -426,7 +431,7 @@ class Engine:
             comp = Completion(
                 tokens=toks, logprobs=np.asarray(r.logprobs[pl:n], np.float32), forced=np.asarray(r.forced[pl:n], bool),
                 versions=np.asarray(r.versions[pl:n], np.int32), text=text,
-                finish_reason="length" if bool(r.hit_length) else "eos",
+                finish_reason="length" if bool(r.hit_length) else "eos", ended_thinking=bool(r.end_of_think),
             )
             self.stats.finished += 1
             self.stats.generated_tokens += len(toks)

@@ -18,12 +18,12 @@ def force_eos(
     forced: jax.Array,  # [B] bool
     index: jax.Array,  # [B] position the token is written at (0-based, counting the prompt)
     *,
-    max_seq_len: int,
+    limit: jax.Array | int,  # [B] or scalar: total length allowed (max_seq_len, or prompt + max_new_tokens + 1)
     eos_id: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Returns (token, logprob, forced, stop, hit_length). The last slot (index == max_seq_len-1) always gets
-    EOS with logprob 0, so every finished row ends in EOS and fits max_seq_len."""
-    hit_length = index + 1 >= max_seq_len
+    """Returns (token, logprob, forced, stop, hit_length). The last slot (index == limit-1) always gets EOS with
+    logprob 0, so every finished row ends in EOS and fits its limit."""
+    hit_length = index + 1 >= limit
     sampled_eos = token == eos_id
     length_forced = hit_length & ~sampled_eos
     token = jnp.where(hit_length, eos_id, token)

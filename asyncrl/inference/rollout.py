@@ -22,6 +22,7 @@ class Completion:
     versions: np.ndarray  # [n] int32, weight version in force when each token was produced
     text: str = ""
     finish_reason: str = "eos"  # "eos" (sampled EOS) or "length" (forced at max_seq_len)
+    ended_thinking: bool = False  # an end-of-think token was sampled or forced (reasoning budget)
     reward: float | None = None
     reason: str | None = None
 

@@ -26,6 +26,7 @@ class DecodeState:
     forced: Any  # [B, S] bool: token was forced by the engine
     versions: Any  # [B, S] int32: weight version in force when the token was produced
     prompt_len: Any  # [B] int32
+    limit: Any  # [B] int32: total length at which the row is stopped with a forced EOS (<= max_seq_len)
     slot: Any  # [B] int32: host-side id of the (prompt, sample) in the row; -1 if none
     active: Any  # [B] bool: row holds a live sample
     stop: Any  # [B] bool: row finished (EOS or length) and awaits extraction
@@ -46,6 +47,7 @@ class FinishedRow:
     length: Any  # [] total tokens (prompt + completion)
     slot: Any  # []
     hit_length: Any  # [] bool: stopped by the length limit rather than a sampled EOS
+    end_of_think: Any  # [] bool: the row closed its thinking (sampled or forced end-of-think token)
     steps: Any  # [] decode steps this call ran
 
 
@@ -74,6 +76,7 @@ def insert_row(state: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.
         forced=mv(state.forced, prefill.forced),
         versions=mv(state.versions, prefill.versions),
         prompt_len=mv(state.prompt_len, prefill.prompt_len),
+        limit=mv(state.limit, prefill.limit),
         slot=_row_update(state.slot, one(slot, jnp.int32), row, 0),
         active=_row_update(state.active, one(True, jnp.bool_), row, 0),
         stop=_row_update(state.stop, one(False, jnp.bool_), row, 0),

@@ -27,8 +27,10 @@ from asyncrl.models.kvcache import KV_AXES, LENGTH_AXES, KVCache, write_rows
 from asyncrl.models.params import LayerParams, Params
 from asyncrl.models.rope import apply_rope, rope_tables
 from asyncrl.sharding.rules import ShardingRules
+from asyncrl.train.logprobs import fused_linear_selection
 
 _NEG_INF = -1e30
+_LOGPROB_CHUNK = 1024  # tokens per fused LM-head chunk in `get_logprobs`: bounds the [chunk, V] fp32 temporary
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -44,7 +46,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len
     Key j of row b is visible to query t iff j <= q_pos[b, t] (causal) and j < kv_len[b] (written)."""
     B, T, H, Dh = q.shape
     S, K = k.shape[1], k.shape[2]
-    qg = q.reshape(B, T, K, H // K, Dh)
+    m = jax.sharding.get_abstract_mesh()
+    if not m.empty and m.explicit_axes:
+        # Query heads are grouped under their KV head: lay them out like k (KV heads split over tp, or whole
+        # when there are fewer KV heads than tp devices).
+        b_spec, _, kv_spec, _ = jax.typeof(k).sharding.spec
+        if kv_spec is None:
+            q = jax.sharding.reshard(q, P(b_spec, None, None, None))
+        qg = q.reshape(B, T, K, H // K, Dh, out_sharding=P(b_spec, None, kv_spec, None, None))
+    else:
+        qg = q.reshape(B, T, K, H // K, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(Dh)
     j = jnp.arange(S)
     visible = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])  # [B, T, S]
@@ -218,10 +229,16 @@ class Model:
 
         Positions at or past seq_lens-1 are 0. Temperature semantics: see `asyncrl/inference/sampling.py`."""
         h, _ = self.apply(params, tokens, seq_lens, apply_lm_head=False)
-        logits = self.lm_head(params, h[:, :-1]) / (temperature if temperature > 0 else 1.0)
-        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, 1:, None], axis=-1)[..., 0]
-        valid = jnp.arange(tokens.shape[1] - 1)[None, :] < (seq_lens[:, None] - 1)
-        return jnp.where(valid, lp, 0.0)
+        h = h[:, :-1] / (temperature if temperature > 0 else 1.0)  # [B, T-1, D]; (h / t) @ W == logits / t
+        B, T1, D = h.shape
+        # The fused LM head never materialises [B, T-1, V] logits (the trainer's path, see train/logprobs.py).
+        mesh = _explicit_mesh()
+        flat = jnp.reshape if mesh is None else (
+            lambda a, shape: jnp.reshape(a, shape, out_sharding=self._act_spec(mesh, len(shape))))
+        lp = fused_linear_selection(flat(h, (B * T1, D)), self.lm_head_weight(params), flat(tokens[:, 1:], (B * T1,)),
+                                    _LOGPROB_CHUNK)
+        valid = jnp.arange(T1)[None, :] < (seq_lens[:, None] - 1)
+        return jnp.where(valid, flat(lp, (B, T1)), 0.0)
 
     # ---- params helpers -------------------------------------------------------------------------------------
 

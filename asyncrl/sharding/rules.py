@@ -84,7 +84,8 @@ class ShardingRules:
         used: dict[str, str] = {}
         out: list[Any] = []
         for dim, logical in enumerate(logical_axes):
-            axes = tuple(a for a in self.mesh_axes(logical) if mesh is None or a in mesh.shape)
+            # Size-1 mesh axes split nothing; leaving them out keeps specs free of spurious conflicts.
+            axes = tuple(a for a in self.mesh_axes(logical) if mesh is None or (a in mesh.shape and mesh.shape[a] > 1))
             for a in axes:
                 if a in used:
                     raise ShardingRuleError(

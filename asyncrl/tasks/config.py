@@ -56,7 +56,8 @@ class TaskSourceConfig:
             check(f"{where}.field_map.{key}", column, isinstance(column, str) and bool(column), "a column name")
         if self.field_map:
             for key in ("problem", "answer"):
-                check(f"{where}.field_map", dict(self.field_map), key in self.field_map, f"a mapping that names '{key}'")
+                check(f"{where}.field_map", dict(self.field_map), key in self.field_map,
+                      f"a mapping that names '{key}'")
 
 
 @dataclass(frozen=True)
@@ -64,23 +65,24 @@ class VerifierConfig:
     """How completions are graded off the trainer's critical path."""
 
     mode: str = "math"
-    """'math': answers are compared as math (0.5 == 1/2) with math-verify; 'exact': equal after collapsing whitespace."""
+    """'math': answers compared as math with math-verify (0.5 == 1/2); 'exact': equal after collapsing whitespace."""
     timeout_s: float = 5.0
-    """Hard wall-clock limit per completion; a worker still busy after it is killed and the answer scores 0 ('timeout')."""
+    """Hard wall-clock limit per completion: a worker still busy then is killed, the answer scores 0 ('timeout')."""
     workers: int = 2
     """Grading worker processes; 0 grades inline in the caller (no time limit: tests and debugging only)."""
     max_answer_chars: int = 256
     """Extracted answers longer than this are rejected before parsing (reward 0, reason 'rejected')."""
     memory_limit_mb: int = 2048
-    """Address-space cap per worker process, so a bignum bomb fails inside the worker; 0 = no cap."""
+    """Address space (MiB) a worker may add after start-up; beyond it allocations fail inside the worker (reason
+    'error') instead of exhausting the machine. 0 = no cap."""
 
     def __post_init__(self) -> None:
         check_choice("task.verifier.mode", self.mode, VERIFIER_MODES)
         check("task.verifier.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
         check("task.verifier.workers", self.workers, self.workers >= 0, ">= 0")
         check("task.verifier.max_answer_chars", self.max_answer_chars, self.max_answer_chars > 0, "> 0")
-        check("task.verifier.memory_limit_mb", self.memory_limit_mb, self.memory_limit_mb == 0 or self.memory_limit_mb >= 256,
-              "0 (no cap) or >= 256")
+        check("task.verifier.memory_limit_mb", self.memory_limit_mb,
+              self.memory_limit_mb == 0 or self.memory_limit_mb >= 256, "0 (no cap) or >= 256")
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ class TaskConfig:
     instruction: str = DEFAULT_INSTRUCTION
     """Appended after each problem; it tells the model where to put the final answer."""
     eval_size: int = 256
-    """Held-out eval samples per source (fewer if a source has fewer)."""
+    """Eval samples held out per source whose split is 'both' (generated tasks: generated per seed). A source
+    with split 'eval' is evaluated whole."""
     seed: int = 0
     """Seeds the train order and the choice of held-out items; use one seed for both splits."""
     verifier: VerifierConfig = field(default_factory=VerifierConfig)

@@ -1,0 +1,183 @@
+"""Engine behaviour: logprob semantics, forcing, compile stability, reproducibility, SPMD, carry-over, versions."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncrl.inference.config import InferenceConfig
+from asyncrl.inference.engine import Engine, Request
+from asyncrl.inference.forcing import force_end_of_think, force_eos
+from asyncrl.inference.replicas import ReplicaSet
+from asyncrl.models import Model, preset
+from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
+
+BASE = InferenceConfig(group_size=2, max_decode_batch_size=4, max_prefill_prompts=4, max_seq_len=48,
+                       temperature=1.0, params_dtype="float32", kv_cache_dtype="float32", min_prefill_bucket=8)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return Tokenizer.from_folder(build_char_tokenizer(str(tmp_path_factory.mktemp("tok") / "char")))
+
+
+@pytest.fixture(scope="module")
+def model_params():
+    model = Model(preset("tiny"))
+    return model, model.init_params(jax.random.PRNGKey(0))
+
+
+def _requests(tok, n=6, k=2):
+    texts = ["3 1 4 1 5>", "9 2 6>", "5 3 5 8 9 7 9>", "3 2>", "8 4 6 2 6 4 3 3>", "8 3 2 7 9>", "5 0>", "2 8 8 4 1 9 7 1>"]
+    return [Request(tok.encode(t), k, payload=i) for i, t in enumerate(texts[:n])]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_logprobs_match_teacher_forced(model_params, tok, temperature):
+    model, params = model_params
+    cfg = dataclasses.replace(BASE, temperature=temperature)
+    out = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:1], seed=3).generate(_requests(tok))
+    checked = 0
+    for r in out:
+        for c in r.completions:
+            full = np.concatenate([r.prompt_tokens, c.tokens])
+            lp = model.get_logprobs(params, jnp.asarray(full[None]), jnp.asarray([len(full)]), temperature=temperature)
+            lp = np.asarray(lp)[0, len(r.prompt_tokens) - 1 :]  # logprob of token t+1 sits at index t
+            sampled = ~c.forced
+            np.testing.assert_allclose(c.logprobs[sampled], lp[sampled], atol=1e-4)
+            checked += int(sampled.sum())
+    assert checked > 50
+
+
+def test_length_forced_eos_has_logprob_zero_and_is_marked(model_params, tok):
+    model, params = model_params
+    cfg = dataclasses.replace(BASE, max_seq_len=20)
+    out = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:1]).generate(_requests(tok))
+    lengths = [c for r in out for c in r.completions if c.finish_reason == "length"]
+    assert lengths, "a random tiny model should hit the length limit"
+    for r in out:
+        for c in r.completions:
+            assert len(r.prompt_tokens) + len(c.tokens) <= 20
+            assert c.tokens[-1] == tok.eos_id
+            if c.finish_reason == "length":
+                assert c.forced[-1] and c.logprobs[-1] == 0.0
+                assert not c.forced[:-1].any()
+            else:
+                assert not c.forced.any()
+
+
+def test_reasoning_budget_phrase_ends_exactly_at_budget(model_params, tok):
+    model, params = model_params
+    phrase = "Stop.</think>"
+    ids = tok.encode(phrase)
+    assert ids[-1] == tok.end_of_think_id
+    cfg = dataclasses.replace(BASE, reasoning_budget=16, think_phrase=phrase, max_seq_len=40)
+    out = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:1]).generate(_requests(tok))
+    n_forced = 0
+    for r in out:
+        for c in r.completions:
+            if len(c.tokens) < 16 or (c.tokens[: 16 - len(ids)] == tok.end_of_think_id).any():
+                continue  # finished early or closed thinking on its own
+            n_forced += 1
+            assert c.tokens[16 - len(ids) : 16].tolist() == ids  # ends exactly at the budget
+            assert c.forced[16 - len(ids) : 16].all() and (c.logprobs[16 - len(ids) : 16] == 0).all()
+            assert c.ended_thinking
+    assert n_forced > 0
+
+
+def test_force_end_of_think_leaves_rows_that_ended_thinking_alone():
+    phrase = [7, 8, 9]
+    tok = jnp.array([1, 1, 1, 1])
+    lp = jnp.array([-1.0, -1.0, -1.0, -1.0])
+    eot = jnp.array([False, True, False, False])
+    prompt = jnp.array([5, 5, 5, 5])
+    index = prompt + jnp.array([7, 7, 9, 3])  # completion positions 7, 7, 9 (last phrase slot), 3 (too early)
+    new, newlp, forced, eot2 = force_end_of_think(tok, lp, eot, index, prompt, budget=10, phrase=phrase)
+    assert new.tolist() == [7, 1, 9, 1]
+    assert forced.tolist() == [True, False, True, False]
+    assert newlp.tolist() == [0.0, -1.0, 0.0, -1.0]
+    assert eot2.tolist() == [False, True, True, False]
+    t, l, f, stop, hit = force_eos(jnp.array([3, 2]), jnp.array([-0.5, -0.2]), jnp.array([False, False]),
+                                   jnp.array([9, 4]), limit=10, eos_id=2)
+    assert t.tolist() == [2, 2] and np.allclose(l, [0.0, -0.2]) and f.tolist() == [True, False]
+    assert stop.tolist() == [True, True] and hit.tolist() == [True, False]
+
+
+def test_compile_stability_after_warmup(model_params, tok):
+    model, params = model_params
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
+    cfg = dataclasses.replace(BASE, max_seq_len=64, min_prefill_bucket=8)
+    eng = Engine(model, params, cfg, tok, seed=1)
+    rng = np.random.default_rng(0)
+
+    def batch(lengths):
+        return [Request(rng.integers(10, 90, size=n).tolist(), 2) for n in lengths]
+
+    eng.generate(batch([3, 8]) + batch([9, 16]) + batch([17, 32]) + batch([33, 60]))  # every bucket: 8,16,32,64
+    warm = len(compiles)
+    for _ in range(3):
+        eng.generate(batch(rng.integers(1, 62, size=8).tolist()))
+    assert len(compiles) == warm, f"{len(compiles) - warm} new compilations after warm-up"
+    assert warm > 0
+
+
+def test_same_seed_same_samples(model_params, tok):
+    model, params = model_params
+    a = ReplicaSet(model, params, BASE, tok, devices=jax.devices()[:1], seed=7).generate(_requests(tok))
+    b = ReplicaSet(model, params, BASE, tok, devices=jax.devices()[:1], seed=7).generate(_requests(tok))
+    c = ReplicaSet(model, params, BASE, tok, devices=jax.devices()[:1], seed=8).generate(_requests(tok))
+    toks = lambda out: [x.tokens.tolist() for r in out for x in r.completions]  # noqa: E731
+    assert toks(a) == toks(b)
+    assert toks(a) != toks(c)
+
+
+def test_one_vs_two_replicas_greedy_same_outputs(model_params, tok):
+    model, params = model_params
+    cfg = dataclasses.replace(BASE, temperature=0.0, group_size=1)
+    one = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:1]).generate(_requests(tok, 8, 1))
+    two_rs = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:2])
+    assert len(two_rs) == 2
+    two = two_rs.generate(_requests(tok, 8, 1))
+    assert sorted(tuple(r.completions[0].tokens) for r in one) == sorted(tuple(r.completions[0].tokens) for r in two)
+    assert all(e.stats.finished > 0 for e in two_rs.engines)  # both replicas did work
+
+
+def test_spmd_matches_single_replica_on_4_devices(model_params, tok):
+    model, params = model_params
+    cfg = dataclasses.replace(BASE, temperature=0.0, group_size=1)
+    ref = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:1]).generate(_requests(tok, 8, 1))
+    for substitute in ("auto", "naive"):
+        spmd_cfg = dataclasses.replace(cfg, replica_mode="spmd")
+        rs = ReplicaSet(model, params, spmd_cfg, tok, devices=jax.devices()[:4], substitute=substitute)
+        state = rs.engines[0]._new_state()
+        assert state.kv.k.sharding.spec[1] == "dp"  # the decode batch is really split over dp
+        out = rs.generate(_requests(tok, 8, 1))
+        assert [r.completions[0].tokens.tolist() for r in out] == [r.completions[0].tokens.tolist() for r in ref]
+
+
+def test_in_flight_rows_carry_over_and_record_versions(model_params, tok):
+    model, params = model_params
+    cfg = dataclasses.replace(BASE, group_size=4, max_decode_batch_size=4)
+    eng = Engine(model, params, cfg, tok, seed=2)
+    calls = {"n": 0}
+
+    def hook():  # an in-flight weight update after a few decode loops
+        calls["n"] += 1
+        if calls["n"] == 6:
+            eng.set_params(params, 5)
+
+    eng.between_loops = hook
+    first = eng.generate(_requests(tok, 2, 4), drain=False)
+    assert eng._in_flight > 0  # rows carried, not drained
+    rest = eng.generate(_requests(tok, 2, 4)[::-1], drain=True)
+    groups = first + rest
+    assert sum(len(g.completions) for g in groups) == 16 and all(g.done for g in groups)
+    spans = [c for g in groups for c in g.completions if c.version_boundaries]
+    assert spans, "some sample must straddle the update"
+    c = spans[0]
+    assert c.start_version == 0 and c.end_version == 5 and c.version_boundaries[0][1] == 5

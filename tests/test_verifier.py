@@ -1,0 +1,144 @@
+"""Answer extraction, pre-filters and math/exact comparison (in-process; the worker pool is in test_verifier_pool)."""
+
+import pytest
+
+from asyncrl.tasks.extract import AnswerLimits, extract_answer, last_boxed, reject_reason, strip_thinking
+from asyncrl.tasks.grading import exact_equal, grade, math_equal
+
+
+# ---- extraction ---------------------------------------------------------------------------------------------
+
+
+def test_last_boxed_takes_the_last_one_and_keeps_nested_braces():
+    text = r"first \boxed{1} then \boxed{\frac{\sqrt{2}}{2}} done"
+    assert last_boxed(text) == r"\frac{\sqrt{2}}{2}"
+
+
+def test_fbox_and_space_before_brace():
+    assert last_boxed(r"so \fbox{42}") == "42"
+    assert last_boxed(r"so \boxed {7}") == "7"
+
+
+def test_escaped_braces_are_not_groups():
+    assert last_boxed(r"\boxed{\{1, 2\}}") == r"\{1, 2\}"
+
+
+def test_nested_boxes_give_the_innermost_last_opened():
+    assert last_boxed(r"\boxed{\boxed{5}}") == "5"
+
+
+def test_unclosed_last_box_falls_back_to_an_earlier_closed_one():
+    assert last_boxed(r"\boxed{3} and then \boxed{4") == "3"
+    assert last_boxed(r"\boxed{") is None
+    assert last_boxed("no box here") is None
+
+
+def test_extraction_only_looks_after_the_last_think_close():
+    text = r"<think>maybe \boxed{1}</think> hmm <think>\boxed{2}</think> The answer is \boxed{3}."
+    assert strip_thinking(text) == r" The answer is \boxed{3}."
+    assert extract_answer(text) == "3"
+    # An answer that exists only inside the thinking does not count.
+    assert extract_answer(r"<think>\boxed{9}</think> I am not sure.") is None
+
+
+def test_other_answer_formats_in_order():
+    assert extract_answer("blah\nAnswer: $\\frac{1}{2}$", ("boxed", "answer_line")) == r"\frac{1}{2}"
+    assert extract_answer("so 3+4=7\n#### 7", ("boxed", "gsm8k")) == "7"
+    assert extract_answer("<answer> 12 </answer>", ("answer_tag",)) == "12"
+    assert extract_answer(r"<answer>x is \boxed{5}</answer>", ("answer_tag",)) == "5"
+    # The first format that matches wins, so a boxed answer beats an Answer: line.
+    assert extract_answer("\\boxed{2}\nAnswer: 3", ("boxed", "answer_line")) == "2"
+    assert extract_answer("Answer: 3", ("boxed",)) is None
+    with pytest.raises(ValueError, match="unknown"):
+        extract_answer("x", ("nope",))
+
+
+def test_cleanup_of_dollars_and_trailing_period():
+    assert extract_answer("Answer: $42$.", ("answer_line",)) == "42"
+    assert extract_answer("Answer: $1$ and $2$", ("answer_line",)) == "$1$ and $2$"
+
+
+# ---- pre-filters --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("answer", [
+    r"\frac{\sqrt{3}}{2}", r"\left(1, \frac{\pi}{2}\right)", "2^{10}", r"\{1,2,3\}", "100!", "10^{100}",
+    r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", "x^2+y^2",
+])
+def test_prefilter_admits_ordinary_answers(answer):
+    assert reject_reason(answer) is None
+
+
+@pytest.mark.parametrize("answer,why", [
+    ("9^{9^{9^{9}}}", "power tower"),
+    ("2^{99999}", "exponent"),
+    ("(x+1)^{9999}", "exponent"),
+    ("1" * 300, "longer"),
+    ("{" * 10 + "1" + "}" * 10, "nested"),
+    (r"\def\a{\a\a}\a", "macros"),
+    (r"\newcommand{\x}{1}\x", "macros"),
+    ("9**9**9", "**"),
+    ("123456!", "factorial"),
+])
+def test_prefilter_rejects_hostile_answers(answer, why):
+    reason = reject_reason(answer)
+    assert reason is not None and why in reason
+
+
+def test_prefilter_limits_are_configurable():
+    assert reject_reason("1" * 300, AnswerLimits(max_chars=400)) is None
+
+
+# ---- comparison ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pred,gold", [
+    ("0.5", r"\frac{1}{2}"),
+    ("1/2", "0.5"),
+    (r"\frac{\sqrt2}{2}", r"\sqrt{2}/2"),
+    (r"\dfrac{3}{4}", "0.75"),
+    ("1,234", "1234"),
+    ("72.0", "72"),
+    (r"\{2,1\}", r"\{1,2\}"),
+    ("1+x^2", "x^2+1"),
+    ("[1,2)", "[1, 2)"),
+    (r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"),
+])
+def test_math_equivalences(pred, gold):
+    assert math_equal(pred, gold)
+
+
+@pytest.mark.parametrize("pred,gold", [
+    ("3", "4"), (r"\frac{1}{3}", "0.5"), ("x+1", "x-1"), ("[1,2)", "(1,2)"), (r"\pi", "3.14"),
+])
+def test_math_differences(pred, gold):
+    assert not math_equal(pred, gold)
+
+
+def test_python_in_an_answer_is_never_evaluated(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = f"__import__('os').system('touch {marker}')"
+    for text in (rf"\boxed{{{payload}}}", f"Answer: {payload}", f"#### {payload}"):
+        s = grade(text, "0", formats=("boxed", "answer_line", "gsm8k"))
+        assert s.reward == 0.0
+    assert not marker.exists()
+
+
+def test_exact_mode_normalizes_whitespace_only():
+    assert exact_equal("  a   b\n c ", "a b c")
+    assert not exact_equal("0.5", "1/2")
+    assert grade(r"\boxed{ x  y }", "x y", mode="exact").reason == "correct"
+    assert grade(r"\boxed{0.5}", r"\frac{1}{2}", mode="exact").reason == "wrong"
+    assert grade(r"\boxed{0.5}", r"\frac{1}{2}", mode="math").reason == "correct"
+
+
+def test_grade_reasons():
+    assert grade(r"<think>\boxed{2}</think>the answer is \boxed{2}", "2").reason == "correct"
+    assert grade("I give up", "2").reason == "no_answer"
+    s = grade(r"\boxed{9^{9^{9^{9}}}}", "2")
+    assert (s.reward, s.reason, s.extracted) == (0.0, "rejected", "9^{9^{9^{9}}}")
+    assert grade(r"\boxed{3}", "2").reason == "wrong"
+
+
+def test_gold_in_dollars_is_compared_as_math():
+    assert grade(r"\boxed{244/607}", "$244/607$").reason == "correct"
