@@ -43,7 +43,7 @@ class Request:
     n: int
     payload: Any = None
     is_eval: bool = False
-    temperature: float | None = None  # reserved: one engine samples at one temperature (see config)
+    uid: int | None = None  # seeds this prompt's samples (with the engine seed); None = an engine counter
 
 
 @dataclass
@@ -155,7 +155,7 @@ class Engine:
             kv.length = NamedSharding(m, P(None))
         ns = lambda *spec: NamedSharding(m, P(*spec))  # noqa: E731
         return DecodeState(
-            next_token=ns(b), kv=kv, key=ns(), tokens=ns(b, None), logprobs=ns(b, None), forced=ns(b, None),
+            next_token=ns(b), kv=kv, key=ns(), row_key=ns(b, None), tokens=ns(b, None), logprobs=ns(b, None), forced=ns(b, None),
             versions=ns(b, None), prompt_len=ns(b), limit=ns(b), slot=ns(b), active=ns(b), stop=ns(b), end_of_think=ns(b),
             steps=ns(),
         )
@@ -170,6 +170,7 @@ class Engine:
             next_token=jnp.zeros((rows,), jnp.int32),
             kv=KVCache(k=z, v=z, length=jnp.zeros((rows,), jnp.int32)),
             key=key,
+            row_key=jnp.zeros((rows, 2), jnp.uint32),
             tokens=jnp.full((rows, self.S), self.pad_id, jnp.int32),
             logprobs=jnp.zeros((rows, self.S), jnp.float32),
             forced=jnp.zeros((rows, self.S), jnp.bool_),
@@ -207,10 +208,10 @@ class Engine:
         live = s.active & ~s.stop
         with jax.named_scope("fwd_pass"):
             logits, kv = self.model.apply(params, s.next_token[:, None], live.astype(jnp.int32), s.kv)
-        key, sub = jax.random.split(s.key)
-        with jax.named_scope("sampling"):
-            tok, lp = sample(logits[:, 0], sub, cfg.temperature)
         index = s.kv.length + 1  # where the new token goes (the fed token sits at kv.length)
+        with jax.named_scope("sampling"):
+            keys = jax.vmap(jax.random.fold_in)(s.row_key, index)
+            tok, lp = sample(logits[:, 0], keys, cfg.temperature)
         with jax.named_scope("forcing"):
             forced = jnp.zeros_like(live)
             eot = s.end_of_think
@@ -226,7 +227,8 @@ class Engine:
         return DecodeState(
             next_token=jnp.where(live, tok, s.next_token),
             kv=kv,
-            key=key,
+            key=s.key,
+            row_key=s.row_key,
             tokens=put(s.tokens, tok),
             logprobs=put(s.logprobs, lp),
             forced=put(s.forced, forced),
@@ -241,9 +243,11 @@ class Engine:
         )
 
     def _decode_and_swap(
-        self, params: Any, s: DecodeState, prefill: DecodeState, p: jax.Array, slot: jax.Array, version: jax.Array
+        self, params: Any, s: DecodeState, prefill: DecodeState, p: jax.Array, slot: jax.Array, version: jax.Array,
+        uid: jax.Array, k: jax.Array,
     ) -> tuple[DecodeState, FinishedRow]:
         want_insert = p >= 0
+        row_key = jax.random.fold_in(jax.random.fold_in(s.key, uid), k)
 
         def cond(s: DecodeState) -> jax.Array:
             has_free = jnp.any(~s.active)
@@ -275,25 +279,26 @@ class Engine:
         with jax.named_scope("sub_next_batch"):
             s = jax.lax.cond(
                 want_insert,
-                lambda s: self._insert(s, prefill, p, row, slot),
+                lambda s: self._insert(s, prefill, p, row, slot, row_key),
                 lambda s: jax.lax.cond(any_done, lambda s: deactivate_row(s, row), lambda s: s, s),
                 s,
             )
         return s, finished
 
-    def _insert(self, s: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.Array, slot: jax.Array) -> DecodeState:
+    def _insert(self, s: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.Array, slot: jax.Array,
+                row_key: jax.Array) -> DecodeState:
         spec = self._data_spec()
         if self.mesh is None or spec is None:
-            return insert_row(s, prefill, p, row, slot)
+            return insert_row(s, prefill, p, row, slot, row_key)
         if self._substitute == "naive":
             # What XLA does when left alone (the blog's 75 ms case): gather every row of the state, substitute
             # everywhere, scatter back. Kept for the benchmark against the shard_map version.
             full = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), s)
-            out = insert_row(full, prefill, p, row, slot)
+            out = insert_row(full, prefill, p, row, slot, row_key)
             return jax.tree.map(lambda x, ns: jax.sharding.reshard(x, ns.spec), out, self.state_shardings(self.B))
-        return self._insert_shard_map(s, prefill, p, row, slot)
+        return self._insert_shard_map(s, prefill, p, row, slot, row_key)
 
-    def _insert_shard_map(self, s, prefill, p, row, slot):
+    def _insert_shard_map(self, s, prefill, p, row, slot, row_key):
         """SPMD substitution that only touches the device holding `row` (the blog's fix: XLA's choice
         all-gathers the KV cache, substitutes everywhere and scatters back)."""
         mesh, spec = self.mesh, self._data_spec()
@@ -301,18 +306,18 @@ class Engine:
         state_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.B))
         prefill_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.P, split_rows=False))
 
-        def local(s_local, prefill_local, p, row, slot):
+        def local(s_local, prefill_local, p, row, slot, row_key):
             b_local = s_local.next_token.shape[0]
             shard = jax.lax.axis_index(axes)
             start = shard * b_local
             here = (row >= start) & (row < start + b_local)
             return jax.lax.cond(
-                here, lambda s: insert_row(s, prefill_local, p, row - start, slot), lambda s: s, s_local
+                here, lambda s: insert_row(s, prefill_local, p, row - start, slot, row_key), lambda s: s, s_local
             )
 
         return jax.shard_map(
-            local, mesh=mesh, in_specs=(state_specs, prefill_specs, P(), P(), P()), out_specs=state_specs,
-        )(s, prefill, p, row, slot)
+            local, mesh=mesh, in_specs=(state_specs, prefill_specs, P(), P(), P(), P()), out_specs=state_specs,
+        )(s, prefill, p, row, slot, row_key)
 
     # ---- host loop ------------------------------------------------------------------------------------------
 
@@ -365,8 +370,9 @@ class Engine:
             prefill = self.prefill([r.tokens for r in chunk])
             queue: list[tuple[int, _Group, int]] = []
             for i, r in enumerate(chunk):
+                uid = r.uid if r.uid is not None else self._uid_counter
                 rollout = Rollout(sample=r.payload, prompt_tokens=np.asarray(r.tokens, np.int32), group_size=r.n,
-                                  is_eval=r.is_eval, uid=self._uid_counter, worker=self.name)
+                                  is_eval=r.is_eval, uid=uid, worker=self.name)
                 self._uid_counter += 1
                 g = _Group(rollout, r.n, [None] * r.n)
                 queue.extend((i, g, k) for k in range(r.n))
@@ -391,7 +397,9 @@ class Engine:
         if prefill is None:
             prefill = self._dummy_prefill()
         t0 = time.perf_counter()
-        args = (params, self._state, prefill, np.int32(p), np.int32(slot), np.int32(version))
+        uid, k = (target[0].rollout.uid, target[1]) if target is not None else (0, 0)
+        args = (params, self._state, prefill, np.int32(p), np.int32(slot), np.int32(version),
+                np.uint32(uid & 0xFFFFFFFF), np.int32(k))
         if self.mesh is None:
             self._state, row = self._decode(*args)
         else:

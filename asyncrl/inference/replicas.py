@@ -88,7 +88,7 @@ class ReplicaSet:
             for i, mesh in enumerate(replica_meshes(devices, cfg.tp)):
                 m = model.with_rules(tensor_parallel_rules("tp"))
                 self.engines.append(Engine(m, place_params(params, m.param_shardings(mesh)), cfg, tokenizer,
-                                           eos_id=eos_id, mesh=mesh, seed=seed + 1000 * i, version=version,
+                                           eos_id=eos_id, mesh=mesh, seed=seed, version=version,
                                            name=f"{name}/r{i}"))
 
     def __len__(self) -> int:
@@ -100,7 +100,8 @@ class ReplicaSet:
 
     def generate(self, requests: Sequence[Request], on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
         """Sample every request; rollouts come back in request order (payload order is kept by index)."""
-        indexed = [Request(r.tokens, r.n, (i, r.payload), r.is_eval) for i, r in enumerate(requests)]
+        indexed = [Request(r.tokens, r.n, (i, r.payload), r.is_eval, r.uid if r.uid is not None else i)
+                   for i, r in enumerate(requests)]
         chunks: "queue.Queue[list[Request]]" = queue.Queue()
         step = self.cfg.max_prefill_prompts
         for s in range(0, len(indexed), step):

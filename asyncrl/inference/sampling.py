@@ -15,12 +15,15 @@ import jax
 import jax.numpy as jnp
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
-    """logits: [B, V] fp32 -> (tokens [B] int32, logprobs [B] fp32). `temperature` is static."""
+def sample(logits: jax.Array, keys: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """logits: [B, V] fp32, keys: [B, 2] one PRNG key per row -> (tokens [B] int32, logprobs [B] fp32).
+
+    Per-row keys make a sample depend only on (seed, prompt uid, sample index, position) and the weights, not
+    on which replica or batch slot it ran in: runs are reproducible across replica counts and resumes."""
     logits = logits.astype(jnp.float32)
     if temperature > 0:
         scaled = logits / temperature
-        tokens = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+        tokens = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
     else:
         scaled = logits
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)

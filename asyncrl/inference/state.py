@@ -20,7 +20,8 @@ from asyncrl.models.kvcache import KVCache
 class DecodeState:
     next_token: Any  # [B] int32: token fed at the next step (written to the cache at kv.length)
     kv: KVCache  # k, v [L, B, S, K, Dh]; length [B]
-    key: Any  # [2] uint32 PRNG key
+    key: Any  # [2] uint32 base PRNG key (from the engine seed)
+    row_key: Any  # [B, 2] uint32: per-sample key, fold_in(fold_in(key, request uid), sample index)
     tokens: Any  # [B, S] int32: prompt + generated tokens
     logprobs: Any  # [B, S] f32: sampler logprob of each generated token (0 on prompt and forced tokens)
     forced: Any  # [B, S] bool: token was forced by the engine
@@ -59,7 +60,8 @@ def _row_take(x: jax.Array, row: jax.Array, axis: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, row, 1, axis=axis)
 
 
-def insert_row(state: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.Array, slot: jax.Array) -> DecodeState:
+def insert_row(state: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.Array, slot: jax.Array,
+               row_key: jax.Array) -> DecodeState:
     """Copy prefill row `p` (its KV cache, prompt, next token) into decode row `row` and mark it live."""
 
     def mv(dst, src, axis=0):
@@ -71,6 +73,7 @@ def insert_row(state: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.
         next_token=mv(state.next_token, prefill.next_token),
         kv=kv,
         key=state.key,
+        row_key=_row_update(state.row_key, row_key[None].astype(state.row_key.dtype), row, 0),
         tokens=mv(state.tokens, prefill.tokens),
         logprobs=mv(state.logprobs, prefill.logprobs),
         forced=mv(state.forced, prefill.forced),
