@@ -385,6 +385,19 @@ class Engine:
             self._collect(emit)
         return done
 
+    @property
+    def in_flight(self) -> int:
+        """Rows holding a live sample (carried across `generate(drain=False)` calls)."""
+        return self._in_flight
+
+    def advance(self, on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
+        """Finish one in-flight row (no new prompt): keeps rows moving when the prompt queue is empty."""
+        done: list[Rollout] = []
+        if self._in_flight > 0 and self._state is not None:
+            self._call(None, -1, None)
+            self._collect(lambda r: (done.append(r), on_group(r) if on_group else None))
+        return done
+
     def _call(self, prefill: DecodeState | None, p: int, target: tuple[_Group, int] | None) -> None:
         self.between_loops()
         with self._lock:

@@ -113,6 +113,8 @@ class ReplicaSet:
         def collect(r: Rollout) -> None:
             with lock:
                 results.append(r)
+                if on_group is not None:
+                    on_group(r)
 
         def work(engine: Engine) -> None:
             try:

@@ -83,6 +83,9 @@ class TrainConfig:
     """Tokens per chunk in the fused LM-head logprob scan (bounds the [chunk, V] temporary)."""
     pad_to_multiple: int = 16
     """Train sequences are padded to a multiple of this (bounded set of compiled shapes)."""
+    format_warmstart_steps: int = 0
+    """Before RL, this many SFT steps on prompts paired with *shuffled* gold answers: teaches the answer format
+    and stopping, not the task (see asyncrl/train/warmstart.py). For models trained from scratch; cached."""
 
     def __post_init__(self) -> None:
         check("train.total_steps", self.total_steps, self.total_steps >= 1, ">= 1")
@@ -99,3 +102,4 @@ class TrainConfig:
         check("train.max_grad_norm", self.max_grad_norm, self.max_grad_norm >= 0, ">= 0")
         check("train.logprob_chunk_size", self.logprob_chunk_size, self.logprob_chunk_size >= 1, ">= 1")
         check("train.pad_to_multiple", self.pad_to_multiple, self.pad_to_multiple >= 1, ">= 1")
+        check("train.format_warmstart_steps", self.format_warmstart_steps, self.format_warmstart_steps >= 0, ">= 0")

@@ -1,0 +1,197 @@
+"""The Ray driver: connect, place one host actor per host, join them with jax.distributed, watch, restart.
+
+Locally (no RAY_ADDRESS) it starts its own Ray cluster and simulates `run.hosts` hosts, each a process with
+`run.devices_per_host` fake CPU devices. On a TPU cluster it finds the TPU hosts and places one actor on each
+with a STRICT_SPREAD placement group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from typing import Any
+
+import ray
+
+from asyncrl.config.loader import to_yaml
+from asyncrl.orchestration.host import HostActor, HostResult, role_of
+from asyncrl.orchestration.metrics import MetricsSink
+from asyncrl.orchestration.queues import make_queues
+
+log = logging.getLogger("asyncrl.driver")
+
+
+class HostFailure(RuntimeError):
+    def __init__(self, rank: int, role: str, detail: str):
+        super().__init__(f"host {rank} ({role}) failed: {detail}")
+        self.rank, self.role = rank, role
+
+
+def run_dir_of(cfg: Any) -> str:
+    return os.path.abspath(cfg.run.run_dir or os.path.join("runs", cfg.run.name))
+
+
+def latest_checkpoint(run_dir: str) -> int | None:
+    d = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(d):
+        return None
+    steps = [int(x) for x in os.listdir(d) if x.isdigit()]
+    return max(steps) if steps else None
+
+
+def _connect(cfg: Any) -> bool:
+    """Returns True if this driver started the cluster (and so must shut it down)."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return False
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level=logging.WARNING,
+             runtime_env={"env_vars": {"PYTHONPATH": _project_root()}})
+    return True
+
+
+def _project_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _tpu_hosts() -> list[dict[str, Any]]:
+    return [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("TPU", 0) > 0]
+
+
+def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any]) -> tuple[list[Any], Any]:
+    tpu = _tpu_hosts() if cfg.run.platform in ("auto", "tpu") else []
+    env = {"PYTHONPATH": _project_root(), "TOKENIZERS_PARALLELISM": "false"}
+    if os.environ.get("ASYNCRL_STACK_DUMP_S"):
+        env["ASYNCRL_STACK_DUMP_S"] = os.environ["ASYNCRL_STACK_DUMP_S"]
+    if tpu:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        chips = int(tpu[0]["Resources"]["TPU"])
+        n = len(tpu)
+        pg = placement_group([{"TPU": chips, "CPU": 1}] * n, strategy="STRICT_SPREAD")
+        ray.get(pg.ready(), timeout=cfg.run.startup_timeout_s)
+        Actor = ray.remote(HostActor)
+        actors = [Actor.options(num_cpus=1, resources={"TPU": chips}, runtime_env={"env_vars": env},
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                                ).remote(i, n, cfg, run_dir, queues) for i in range(n)]
+        return actors, pg
+    n = cfg.run.hosts
+    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.run.devices_per_host}",
+            "OMP_NUM_THREADS": "1"}
+    # Simulated hosts take no CPU reservation: a 2-core laptop must fit every one of them.
+    Actor = ray.remote(HostActor)
+    actors = [Actor.options(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env}).remote(i, n, cfg, run_dir, queues)
+              for i in range(n)]
+    return actors, None
+
+
+def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:
+            pass
+    for q in queues.values():
+        try:
+            ray.kill(q.q.actor, no_restart=True)
+        except Exception:
+            pass
+    if pg is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
+
+
+def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
+    n_hosts = len(_tpu_hosts()) if (cfg.run.platform in ("auto", "tpu") and _tpu_hosts()) else cfg.run.hosts
+    tw = cfg.async_.train_workers
+    if not (0 < tw < n_hosts and n_hosts % tw == 0):
+        raise ValueError(f"async.train_workers={tw} must be in (0, {n_hosts}) and divide the {n_hosts} hosts")
+    queues = make_queues(cfg.prompts_per_step, n_hosts - tw, cfg.async_.rollout_queue_size, cfg.async_.queue_timeout_s)
+    actors, pg = _make_actors(cfg, run_dir, queues)
+    try:
+        timeout = cfg.run.startup_timeout_s
+        info = ray.get([a.ping.remote() for a in actors], timeout=timeout)
+        port = ray.get(actors[0].free_port.remote(), timeout=timeout)
+        coordinator = f"{info[0]['ip']}:{port}"
+        log.info("joining %d hosts via jax.distributed at %s", len(actors), coordinator)
+        ray.get([a.start_jax.remote(coordinator, timeout) for a in actors], timeout=timeout + 30)
+        refs = {a.run.remote(): i for i, a in enumerate(actors)}
+        while True:
+            for row in queues["driver"].drain():
+                sink.write(row)
+            ready, _ = ray.wait(list(refs), timeout=0.5)
+            for ref in ready:
+                rank = refs.pop(ref)
+                role = role_of(rank, tw)
+                try:
+                    res: HostResult = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    raise HostFailure(rank, role, f"actor died ({type(e).__name__}); pid {info[rank]['pid']} "
+                                                  f"on {info[rank]['host']}") from None
+                if not res.ok:
+                    raise HostFailure(rank, role, res.error.strip().splitlines()[0] if res.error else "unknown error")
+                if rank == 0:
+                    for row in queues["driver"].drain():
+                        sink.write(row)
+                    return res.info
+    finally:
+        _teardown(actors, queues, pg)
+
+
+def run(cfg: Any) -> int:
+    logging.basicConfig(level=getattr(logging, cfg.logging.level), format="%(asctime)s [driver] %(message)s")
+    run_dir = run_dir_of(cfg)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+    if not cfg.checkpoint.resume and os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"))
+    started = _connect(cfg)
+    restarts = 0
+    code = 0
+    sink: MetricsSink | None = None
+    try:
+        while True:
+            resume_step = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+            sink = MetricsSink(run_dir, cfg.logging.tensorboard, cfg.logging.progress, cfg.train.total_steps,
+                               resume_from=resume_step if resume_step is not None else 0)
+            if resume_step:
+                print(f"[asyncrl] resuming {run_dir} from checkpoint step {resume_step}", file=sys.stderr)
+            try:
+                _attempt(cfg, run_dir, sink)
+                break
+            except HostFailure as e:
+                sink.close()
+                if restarts < cfg.run.max_restarts:
+                    restarts += 1
+                    print(f"[asyncrl] {e}; restarting all hosts from the latest checkpoint "
+                          f"({restarts}/{cfg.run.max_restarts})", file=sys.stderr)
+                    cfg = _with_resume(cfg)
+                    continue
+                print(f"[asyncrl] error: {e}; no restarts left (run.max_restarts={cfg.run.max_restarts})", file=sys.stderr)
+                code = 1
+                break
+        if sink is not None:
+            print(sink.summary())
+            plot = sink.plot()
+            if plot:
+                print(f"reward curve: {plot}")
+            print(f"metrics: {sink.path}")
+            sink.close()
+    finally:
+        if started:
+            ray.shutdown()
+    return code
+
+
+def _with_resume(cfg: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
+

@@ -1,0 +1,92 @@
+"""The one actor per host: a JAX process that joins jax.distributed and then runs its role.
+
+Ranks below `async.train_workers` train; the rest run inference. Results cross the actor boundary as typed
+`HostResult`s, never as bare exceptions or silent hangs (levanter's TpuSuccess/TpuFailed idea).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostResult:
+    rank: int
+    role: str
+    ok: bool
+    error: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def role_of(rank: int, train_workers: int) -> str:
+    return "trainer" if rank < train_workers else "inference"
+
+
+class HostActor:
+    """Wrapped with `ray.remote` by the driver (resources depend on the cluster)."""
+
+    def __init__(self, rank: int, n_hosts: int, cfg: Any, run_dir: str, queues: dict[str, Any]):
+        self.rank, self.n_hosts, self.cfg, self.run_dir, self.queues = rank, n_hosts, cfg, run_dir, queues
+        self.role = role_of(rank, cfg.async_.train_workers)
+        logging.basicConfig(level=getattr(logging, cfg.logging.level), format=f"%(asctime)s [{self.role}{rank}] %(name)s: %(message)s")
+        for noisy in ("absl", "jax._src.distributed", "orbax"):  # per-call chatter drowns the run's own log
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "role": self.role, "pid": os.getpid(), "host": socket.gethostname(),
+                "ip": _node_ip()}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start_jax(self, coordinator: str, timeout_s: float) -> dict[str, Any]:
+        import jax
+
+        from asyncrl.weightsync.transfer import enable_cpu_transfers
+
+        if self.cfg.run.platform == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            enable_cpu_transfers(_node_ip())
+        t0 = time.time()
+        jax.distributed.initialize(coordinator, num_processes=self.n_hosts, process_id=self.rank,
+                                   initialization_timeout=int(timeout_s))
+        return {"rank": self.rank, "process_index": jax.process_index(), "local_devices": jax.local_device_count(),
+                "devices": jax.device_count(), "join_s": time.time() - t0}
+
+    def run(self) -> HostResult:
+        if os.environ.get("ASYNCRL_STACK_DUMP_S"):  # debugging hangs: periodic stack dumps of every thread
+            import faulthandler
+
+            faulthandler.dump_traceback_later(float(os.environ["ASYNCRL_STACK_DUMP_S"]), repeat=True)
+        try:
+            if self.role == "trainer":
+                from asyncrl.orchestration.trainer_worker import TrainerWorker
+
+                info = TrainerWorker(self.cfg, self.rank, self.run_dir, self.queues).run()
+            else:
+                from asyncrl.orchestration.inference_worker import InferenceWorker
+
+                info = InferenceWorker(self.cfg, self.rank, self.run_dir, self.queues).run()
+            return HostResult(self.rank, self.role, True, info=info or {})
+        except BaseException as e:  # typed result instead of a bare exception crossing the boundary
+            log.exception("host %d (%s) failed", self.rank, self.role)
+            return HostResult(self.rank, self.role, False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"

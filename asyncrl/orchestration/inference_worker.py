@@ -1,0 +1,217 @@
+"""The inference role (the blog's AsyncInferenceWorker): replicas decoding continuously, a monitor thread for
+weight sync, and a pusher thread that scores finished groups off the decode path and ships them.
+
+Weight sync, as in the blog: the monitor takes the trainer's signal, sets an event and waits (on a condition)
+until every replica has parked between two decode loops; it frees the old weights, receives the new ones through
+the hop chain, bumps the version and clears the event. Each replica then takes a zero-copy reference to its own
+shards and carries on with its in-flight rows under the new weights (their per-token versions record where).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from asyncrl.inference.engine import Engine, Request
+from asyncrl.inference.replicas import ReplicaSet, place_params
+from asyncrl.inference.rollout import Rollout
+from asyncrl.tasks import Verifier, build_task
+
+log = logging.getLogger(__name__)
+
+
+class SyncGate:
+    """The event + condition pair that parks replicas while new weights arrive."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.cond = threading.Condition()
+        self.ready = 0
+        self.lock = threading.Lock()  # guards params / version
+        self.params: Any = None
+        self.version = -1
+
+
+class InferenceWorker:
+    def __init__(self, cfg: Any, rank: int, run_dir: str, queues: dict[str, Any]):
+        self.cfg, self.rank, self.run_dir = cfg, rank, run_dir
+        t = cfg.async_.queue_timeout_s
+        self.q = {k: v.as_role(f"inference{rank}", t) for k, v in queues.items()}
+        self.gate = SyncGate()
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.to_score: "queue.Queue[tuple[Rollout, list]]" = queue.Queue(maxsize=256)
+
+    # ---- weight sync ----------------------------------------------------------------------------------------
+
+    def _monitor(self) -> None:
+        try:
+            while not self.stop.is_set():
+                msg = self.q["weight_sync"].poll(0.5)
+                if msg is None:
+                    continue
+                t0 = time.perf_counter()
+                n = len(self.replicas.engines) if self.replicas is not None else 0
+                with self.gate.cond:
+                    self.gate.ready = 0
+                    self.gate.event.set()
+                    ok = self.gate.cond.wait_for(lambda: self.gate.ready >= n, timeout=120)
+                if not ok:
+                    raise TimeoutError(f"inference{self.rank} monitor waited 120s for {n} replicas to park for "
+                                       f"weight sync (got {self.gate.ready})")
+                with self.gate.lock:
+                    if self.gate.params is not None:  # free the old weights before the new ones land
+                        jax.tree.map(lambda x: x.delete(), self.gate.params)
+                        self.gate.params = None
+                    new, _ = self.transfer.transfer(None, self.shapes)
+                    self.gate.params, self.gate.version = new, int(msg["version"])
+                self.gate.event.clear()
+                log.info("weights v%d received in %.2fs", self.gate.version, time.perf_counter() - t0)
+        except BaseException as e:
+            self.errors.append(e)
+            self.stop.set()
+            self.gate.event.clear()
+
+    def _maybe_update(self, engine: Engine) -> None:
+        """Called by each replica between decode loops (the engine's `between_loops` hook)."""
+        if self.errors:
+            raise RuntimeError(f"inference{self.rank} stopped: {self.errors[0]!r}")
+        if not self.gate.event.is_set() and engine.version == self.gate.version:
+            return
+        if self.gate.event.is_set():
+            with self.gate.cond:
+                self.gate.ready += 1
+                self.gate.cond.notify_all()
+            while self.gate.event.is_set() and not self.stop.is_set():
+                time.sleep(0.005)
+        with self.gate.lock:
+            if self.gate.params is not None and engine.version != self.gate.version:
+                engine.set_params(place_params(self.gate.params, engine.model.param_shardings(engine.mesh)),
+                                  self.gate.version)
+
+    # ---- scoring and shipping -------------------------------------------------------------------------------
+
+    def _push(self) -> None:
+        try:
+            while not (self.stop.is_set() and self.to_score.empty()):
+                try:
+                    rollout, futures = self.to_score.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                for c, f in zip(rollout.completions, futures):
+                    s = f.result(timeout=self.cfg.task.verifier.timeout_s * 4 + 30)
+                    c.reward, c.reason = float(s.reward), s.reason
+                target = "eval_rollout" if rollout.is_eval else "rollout"
+                while not self.stop.is_set():
+                    try:
+                        self.q[target].put(rollout, timeout=1.0)
+                        break
+                    except TimeoutError:
+                        continue
+        except BaseException as e:
+            self.errors.append(e)
+            self.stop.set()
+
+    def _on_group(self, r: Rollout) -> None:
+        sample = r.sample[2]
+        futures = [self.verifier.submit(c.text, sample) for c in r.completions]
+        self.to_score.put((r, futures))
+
+    # ---- replica loop ---------------------------------------------------------------------------------------
+
+    def _next_requests(self, engine: Engine) -> list[Request]:
+        P = self.cfg.inference.max_prefill_prompts
+        items = []
+        while len(items) < P:  # eval prompts first
+            try:
+                items.append(self.q["eval_prompt"].get_nowait())
+            except queue.Empty:
+                break
+        if not items:
+            item = self.q["prompt"].poll(0.05)
+            if item is not None:
+                items.append(item)
+        while items and len(items) < P:  # top up without waiting
+            try:
+                items.append(self.q["prompt"].get_nowait())
+            except queue.Empty:
+                break
+        reqs = []
+        for it in items:
+            toks = self.tokenizer.encode_prompt(it.sample.prompt, chat=self.cfg.task.prompt_template == "chat")
+            uid = it.position if not it.is_eval else it.position + 7919 * (it.eval_round + 1)
+            reqs.append(Request(toks, it.n, payload=(it.position, it.eval_round, it.sample), is_eval=it.is_eval, uid=uid))
+        return reqs
+
+    def _replica_loop(self, engine: Engine) -> None:
+        try:
+            engine.between_loops = lambda: self._maybe_update(engine)
+            last_report = time.time()
+            while not self.stop.is_set():
+                engine.between_loops()
+                reqs = self._next_requests(engine)
+                if reqs:
+                    engine.generate(reqs, drain=False, on_group=self._on_group)
+                elif engine.in_flight:
+                    engine.advance(on_group=self._on_group)  # no new prompts: finish rows instead of idling
+                if time.time() - last_report > 2.0:
+                    self._report(engine)
+                    last_report = time.time()
+        except BaseException as e:
+            self.errors.append(e)
+            self.stop.set()
+
+    def _report(self, engine: Engine) -> None:
+        s = engine.stats
+        m = {"decode_tokens_per_s": s.generated_tokens / max(s.decode_time, 1e-9), "finished": float(s.finished),
+             "decode_steps": float(s.decode_steps), "version": float(engine.version), "in_flight": float(engine.in_flight),
+             "prefill_s": s.prefill_time}
+        try:
+            self.q["inference_metrics"].put(m, timeout=1.0)
+        except TimeoutError:
+            pass
+
+    # ---- main -----------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        from asyncrl.models import params as params_lib
+        from asyncrl.models.sources import load_tokenizer, model_config
+        from asyncrl.models.transformer import Model
+        from asyncrl.weightsync.transfer import HopChainTransfer
+
+        cfg = self.cfg
+        mcfg = model_config(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model, self.run_dir)
+        self.task = build_task(cfg.task)
+        self.verifier = Verifier(self.task, cfg.task.verifier)
+        self.transfer = HopChainTransfer(cfg.async_.train_workers)
+        self.shapes = params_lib.shapes(mcfg, jnp.dtype(cfg.inference.params_dtype))
+        self.replicas: ReplicaSet | None = None
+        monitor = threading.Thread(target=self._monitor, name="weight-sync-monitor", daemon=True)
+        monitor.start()
+        while self.gate.params is None:  # the first sync delivers the trainer's initial weights
+            if self.errors:
+                raise self.errors[0]
+            time.sleep(0.05)
+        with self.gate.lock:
+            self.replicas = ReplicaSet(Model(mcfg), self.gate.params, cfg.inference, self.tokenizer,
+                                       devices=jax.local_devices(), seed=cfg.run.seed, version=self.gate.version,
+                                       name=f"inference{self.rank}")
+        threads = [threading.Thread(target=self._push, name="scorer", daemon=True)]
+        threads += [threading.Thread(target=self._replica_loop, args=(e,), name=e.name, daemon=True)
+                    for e in self.replicas.engines]
+        for t in threads:
+            t.start()
+        log.info("inference %d serving with %d replicas", self.rank, len(self.replicas.engines))
+        while not self.stop.is_set():
+            time.sleep(0.2)
+        self.verifier.close()
+        if self.errors:
+            raise self.errors[0]
+        return {}

@@ -1,0 +1,143 @@
+"""Where step metrics go: RUN_DIR/metrics.jsonl, tensorboardX (RUN_DIR/tb), Ray Gauges (dashboard), a live
+progress line on the driver, and at the end a summary table and RUN_DIR/reward_curve.png."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+# Keys the progress line and the summary show, in order (short label, metric key).
+PROGRESS_KEYS = (
+    ("loss", "train/loss"),
+    ("reward", "rollout/reward_mean"),
+    ("eval", "eval/reward_mean"),
+    ("lag", "rollout/lag_mean"),
+    ("sync_s", "weight_sync_s"),
+    ("tok/s", "train/tokens_per_s"),
+)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class RayGauges:
+    """One Ray Gauge per metric key, created lazily; they show in the Ray dashboard's metrics view."""
+
+    def __init__(self, run_name: str):
+        from ray.util.metrics import Gauge
+
+        self._Gauge = Gauge
+        self._gauges: dict[str, Any] = {}
+        self._tags = {"run": run_name}
+
+    def set(self, metrics: dict[str, Any]) -> None:
+        for k, v in metrics.items():
+            if not _finite(v):
+                continue
+            name = "asyncrl_" + "".join(c if c.isalnum() else "_" for c in k)
+            g = self._gauges.get(name)
+            if g is None:
+                g = self._gauges[name] = self._Gauge(name, description=f"asyncrl metric {k}", tag_keys=("run",))
+            g.set(float(v), tags=self._tags)
+
+
+class MetricsSink:
+    """Driver-side writer. `resume_from` drops lines past the checkpoint step so no step appears twice."""
+
+    def __init__(self, run_dir: str, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
+                 resume_from: int | None = None):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        os.makedirs(run_dir, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.rows = [json.loads(x) for x in f if x.strip()]
+            if resume_from is not None:
+                self.rows = [r for r in self.rows if r.get("step", 0) <= resume_from]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.rows)
+            os.replace(self.path + ".tmp", self.path)
+        self.tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        self.progress = progress
+        self.total_steps = total_steps
+        self.t0 = time.time()
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if _finite(v) and k != "step":
+                    self.tb.add_scalar(k.replace("@", "_at_"), v, step)  # '@' is not a legal summary name
+            self.tb.flush()
+        if self.progress:
+            parts = [f"step {step}/{self.total_steps}"]
+            for label, key in PROGRESS_KEYS:
+                if _finite(row.get(key)):
+                    parts.append(f"{label} {row[key]:.3g}")
+            parts.append(f"{time.time() - self.t0:.0f}s")
+            print("[asyncrl] " + " | ".join(parts), file=sys.stderr, flush=True)
+
+    def eval_points(self) -> list[tuple[int, float]]:
+        return [(int(r.get("eval/at_step", r["step"])), float(r["eval/reward_mean"]))
+                for r in self.rows if _finite(r.get("eval/reward_mean"))]
+
+    def summary(self) -> str:
+        if not self.rows:
+            return "no steps were recorded"
+        last = self.rows[-1]
+        lines = ["", "asyncrl run summary", "-" * 44, f"{'steps':<28}{last['step']:>16}"]
+        evals = self.eval_points()
+        if evals:
+            lines.append(f"{'eval reward before RL':<28}{evals[0][1]:>16.3f}  (step {evals[0][0]})")
+            lines.append(f"{'eval reward after RL':<28}{evals[-1][1]:>16.3f}  (step {evals[-1][0]})")
+        for key in ("eval/pass@1", "rollout/reward_mean", "train/loss", "rollout/lag_max", "rollout/filtered_lag",
+                    "weight_sync_s", "train/tokens_per_s", "inference/decode_tokens_per_s", "rollout/queue_wait_s_max"):
+            vals = [r[key] for r in self.rows if _finite(r.get(key))]
+            if vals:
+                lines.append(f"{key:<28}{vals[-1]:>16.4g}  (mean {sum(vals) / len(vals):.4g})")
+        lines.append(f"{'wall time (s)':<28}{time.time() - self.t0:>16.1f}")
+        return "\n".join(lines)
+
+    def plot(self) -> str | None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        train = [(r["step"], r["rollout/reward_mean"]) for r in self.rows if _finite(r.get("rollout/reward_mean"))]
+        evals = self.eval_points()
+        if not train and not evals:
+            return None
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if train:
+            ax.plot(*zip(*train), label="train reward (rollouts)", alpha=0.7)
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="held-out eval reward")
+        ax.set_xlabel("step")
+        ax.set_ylabel("mean reward")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title(os.path.basename(os.path.abspath(self.run_dir)))
+        path = os.path.join(self.run_dir, "reward_curve.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

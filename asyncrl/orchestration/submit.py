@@ -1,0 +1,78 @@
+"""`launch.py submit|status|logs|stop`: the run as a Ray Job on a running cluster (`ray up` or `ray start`).
+
+Ray 2.60 keeps token authentication on: clients send the token from ~/.ray/auth_token only when
+RAY_AUTH_MODE=token is in their environment, so we set it when the token file exists.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Sequence
+
+EXCLUDES = [".venv", ".git", "runs", "benchmarks/results", "__pycache__", "*.pyc", ".pytest_cache"]
+
+
+def _address(address: str | None) -> str:
+    addr = address or os.environ.get("RAY_ADDRESS")
+    if not addr:
+        raise SystemExit("error: no cluster address: pass --address http://HEAD:8265 or set RAY_ADDRESS")
+    if addr.startswith("ray://"):
+        raise SystemExit("error: --address must be the dashboard/Jobs address (http://HEAD:8265), not ray://")
+    return addr if "://" in addr else f"http://{addr}"
+
+
+def _client(address: str | None):
+    if os.path.isfile(os.path.expanduser("~/.ray/auth_token")):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(_address(address))
+
+
+def submit(address: str | None, launch_args: Sequence[str], python: str | None = None, wait: bool = False) -> int:
+    client = _client(address)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    addr = _address(address)
+    local = any(h in addr for h in ("127.0.0.1", "localhost"))
+    py = python or (sys.executable if local else "python")
+    entry = " ".join([shlex.quote(py), "launch.py", *map(shlex.quote, launch_args)])
+    job_id = client.submit_job(entrypoint=entry, runtime_env={"working_dir": root, "excludes": EXCLUDES})
+    print(f"submitted job {job_id}")
+    print(f"dashboard: {addr.rstrip('/')}/#/jobs/{job_id}")
+    print(f"follow:    python launch.py logs {job_id}   |   status: python launch.py status {job_id}")
+    if wait:
+        return wait_for(address, job_id)
+    return 0
+
+
+def wait_for(address: str | None, job_id: str, timeout_s: float = 3600) -> int:
+    import time
+
+    client = _client(address)
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        status = str(client.get_job_status(job_id))
+        if status.endswith(("SUCCEEDED", "FAILED", "STOPPED")):
+            print(status)
+            return 0 if status.endswith("SUCCEEDED") else 1
+        time.sleep(2)
+    print(f"job {job_id} still running after {timeout_s:.0f}s", file=sys.stderr)
+    return 1
+
+
+def status(address: str | None, job_id: str) -> int:
+    info = _client(address).get_job_info(job_id)
+    print(f"{job_id}: {info.status}" + (f" ({info.message})" if info.message else ""))
+    return 0
+
+
+def logs(address: str | None, job_id: str) -> int:
+    print(_client(address).get_job_logs(job_id), end="")
+    return 0
+
+
+def stop(address: str | None, job_id: str) -> int:
+    print("stopped" if _client(address).stop_job(job_id) else "not running")
+    return 0

@@ -1,0 +1,198 @@
+"""Rollouts -> one RL batch: collecting groups from a queue (staleness and zero-variance filters) and padding.
+
+`collect_rollouts` is the blog's `get_rollouts`: it blocks until this host has its share of groups, dropping a
+group whose oldest token was sampled more than `max_lag` weight versions ago and, optionally, a group whose
+rewards are all equal (DAPO's dynamic sampling: such a group has zero advantage everywhere). It takes any
+`get_rollout(timeout)` callable, so a `queue.Queue`, a Ray queue or a test list all work.
+
+`build_batch` turns this host's groups into a host-local numpy `RLBatch`. Sequence lengths are padded up to a
+multiple of `pad_to_multiple` so that the number of compiled train steps stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asyncrl.inference.rollout import Rollout
+from asyncrl.train.loss_config import LossConfig
+from asyncrl.train.losses import group_stats, prepare_loss_inputs
+
+log = logging.getLogger(__name__)
+
+HostMetrics = dict[str, float]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RLBatch:
+    """One optimizer step's sequences. B = prompts x group size, T = padded length (prompt + completion).
+
+    Index t of every [B, T] field refers to token t: `sampler_logprobs[b, t]` is the sampler's logprob of
+    `tokens[b, t]` given the tokens before it. Leaves are numpy arrays on the host and jax arrays once sharded."""
+
+    tokens: np.ndarray  # [B, T] int32, prompt then completion, right-padded with 0
+    sampler_logprobs: np.ndarray  # [B, T] float32, 0 on prompt, forced and pad positions
+    seq_lens: np.ndarray  # [B] int32, prompt + completion length
+    rewards: np.ndarray  # [B] float32
+    group_mean: np.ndarray  # [B] float32, mean reward of the row's group
+    group_std: np.ndarray  # [B] float32, unbiased std of the row's group
+    group_ids: np.ndarray  # [B] int32, rows sampled from the same prompt share an id
+    loss_mask: np.ndarray  # [B, T] bool, sampled (not forced) completion tokens
+    advantages: np.ndarray  # [B] float32
+    weights: np.ndarray  # [B, T] float32, per-token loss weights normalised over this batch
+    lag: np.ndarray  # [B] int32, trainer version - the oldest weight version of the row's tokens
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def is_zero_variance(rollout: Rollout) -> bool:
+    r = rollout.rewards
+    return bool(r.max() == r.min())
+
+
+def build_batch(rollouts: Sequence[Rollout], version: int, loss_cfg: LossConfig, pad_to_multiple: int = 16,
+                seq_len: int | None = None) -> RLBatch:
+    """Pack groups into a host-local RLBatch. `seq_len` fixes T (else the longest row, rounded up).
+
+    `advantages` and `weights` are computed over these rows. On one host that is the full batch; with several,
+    the train step recomputes both over the global batch (token normalisers must count every host's tokens)."""
+    if not rollouts:
+        raise ValueError("build_batch needs at least one rollout")
+    rows = [(r, c) for r in rollouts for c in r.completions]
+    for r, c in rows:
+        if len(r.prompt_tokens) < 1:
+            raise ValueError(f"rollout {r.uid} ({getattr(r.sample, 'id', '?')}) has an empty prompt: the first "
+                             "completion token would have no context to be scored in")
+    longest = max(len(r.prompt_tokens) + len(c.tokens) for r, c in rows)
+    T = round_up(longest, pad_to_multiple) if seq_len is None else seq_len
+    if longest > T:
+        raise ValueError(f"a sequence of {longest} tokens does not fit seq_len={T}")
+    B = len(rows)
+    tokens = np.zeros((B, T), np.int32)
+    sampler_lp = np.zeros((B, T), np.float32)
+    mask = np.zeros((B, T), bool)
+    seq_lens = np.zeros((B,), np.int32)
+    rewards = np.zeros((B,), np.float32)
+    group_ids = np.zeros((B,), np.int32)
+    lag = np.zeros((B,), np.int32)
+    b = 0
+    for g, r in enumerate(rollouts):
+        r_rewards = r.rewards  # raises on unscored completions
+        for c, reward in zip(r.completions, r_rewards):
+            p, n = len(r.prompt_tokens), len(c.tokens)
+            tokens[b, :p] = r.prompt_tokens
+            tokens[b, p:p + n] = c.tokens
+            sampler_lp[b, p:p + n] = np.where(c.forced, 0.0, c.logprobs)
+            mask[b, p:p + n] = ~np.asarray(c.forced, bool)
+            seq_lens[b] = p + n
+            rewards[b] = reward
+            group_ids[b] = g
+            lag[b] = version - (int(c.versions.min()) if n else version)
+            b += 1
+    mean, std, _ = group_stats(jnp.asarray(rewards), jnp.asarray(group_ids))
+    adv, weights = prepare_loss_inputs(jnp.asarray(rewards), jnp.asarray(group_ids), jnp.asarray(mask), loss_cfg)
+    return RLBatch(
+        tokens=tokens, sampler_logprobs=sampler_lp, seq_lens=seq_lens, rewards=rewards,
+        group_mean=np.asarray(mean), group_std=np.asarray(std), group_ids=group_ids, loss_mask=mask,
+        advantages=np.asarray(adv), weights=np.asarray(weights), lag=lag,
+    )
+
+
+def pad_batch(batch: RLBatch, seq_len: int) -> RLBatch:
+    """Right-pad every [B, T] field to `seq_len` (hosts must agree on T before their rows become one array)."""
+    T = batch.tokens.shape[1]
+    if seq_len < T:
+        raise ValueError(f"cannot pad a batch of length {T} down to {seq_len}")
+    if seq_len == T:
+        return batch
+    pad = lambda x: np.pad(np.asarray(x), ((0, 0), (0, seq_len - T)))  # noqa: E731
+    return replace(batch, tokens=pad(batch.tokens), sampler_logprobs=pad(batch.sampler_logprobs),
+                   loss_mask=pad(batch.loss_mask), weights=pad(batch.weights))
+
+
+class RolloutTimeout(TimeoutError):
+    """The rollout queue stayed empty for longer than the collector's timeout."""
+
+
+def collect_rollouts(
+    get_rollout: Callable[[float], Rollout | None],
+    n_groups: int,
+    version: int,
+    max_lag: int,
+    drop_zero_variance: bool = False,
+    timeout_s: float = 300.0,
+    who: str = "trainer",
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[list[Rollout], HostMetrics]:
+    """Block until `n_groups` groups pass the filters; returns them and the collection metrics.
+
+    `get_rollout(timeout)` returns a Rollout, or returns None / raises `queue.Empty` / `TimeoutError` when nothing
+    came within `timeout` seconds. A group is dropped when `version - rollout.oldest_version > max_lag` (counted
+    as `rollout/filtered_lag`) or, with `drop_zero_variance`, when all its rewards are equal
+    (`rollout/filtered_zero_variance`)."""
+    kept: list[Rollout] = []
+    lags: list[int] = []
+    filtered = {"lag": 0, "zero_variance": 0}
+    start = clock()
+    while len(kept) < n_groups:
+        try:
+            rollout = get_rollout(timeout_s)
+        except (queue.Empty, TimeoutError):
+            rollout = None
+        if rollout is None:
+            raise RolloutTimeout(f"{who} waited {timeout_s:.0f}s for a rollout from the inference workers "
+                                 f"(has {len(kept)}/{n_groups} groups for version {version}, dropped {filtered})")
+        lag = version - rollout.oldest_version
+        if lag > max_lag:
+            filtered["lag"] += 1
+        elif drop_zero_variance and is_zero_variance(rollout):
+            filtered["zero_variance"] += 1
+        else:
+            kept.append(rollout)
+            lags.append(lag)
+            continue
+        dropped = sum(filtered.values())
+        if dropped % 10 == 0:
+            log.warning("%s dropped %d groups so far for version %d (%s); if this is frequent, raise async.max_lag "
+                        "or disable zero-variance filtering", who, dropped, version, filtered)
+    waited = clock() - start
+    rewards = np.concatenate([r.rewards for r in kept])
+    lengths = np.asarray([len(c.tokens) for r in kept for c in r.completions], np.float32)
+    metrics = {
+        "rollout/queue_wait_s_max": waited,
+        "rollout/lag_min": float(min(lags)),
+        "rollout/lag_max": float(max(lags)),
+        "rollout/lag_mean": float(np.mean(lags)),
+        "rollout/filtered_lag": float(filtered["lag"]),
+        "rollout/filtered_zero_variance": float(filtered["zero_variance"]),
+        "rollout/reward_mean": float(np.mean(rewards)),
+        "rollout/completion_len_mean": float(np.mean(lengths)),
+    }
+    return kept, metrics
+
+
+def combine_host_metrics(per_host: Sequence[HostMetrics]) -> HostMetrics:
+    """Host metrics from every host -> one dict: `_min` by min, `_max` by max, `_mean` by mean (hosts hold
+    equal shares of the batch), anything else (counts) by sum."""
+    out: HostMetrics = {}
+    for k in per_host[0]:
+        vals = [float(m[k]) for m in per_host]
+        if k.endswith("_min"):
+            out[k] = min(vals)
+        elif k.endswith("_max"):
+            out[k] = max(vals)
+        elif k.endswith("_mean"):
+            out[k] = float(np.mean(vals))
+        else:
+            out[k] = float(sum(vals))
+    return out

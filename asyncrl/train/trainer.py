@@ -1,0 +1,171 @@
+"""The trainer's state and its one verb, `step`: params, optimizer state, step count, RNG and weight version.
+
+Free of queues and Ray on purpose: orchestration collects rollouts (`batch.collect_rollouts`), builds the local
+batch (`batch.build_batch`), calls `Trainer.step` on every trainer host at once (SPMD), then syncs
+`params_for_inference`. Every trainer host builds the same `Trainer` over the same global devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asyncrl.models import params as params_lib
+from asyncrl.models.params import Params
+from asyncrl.models.transformer import Model
+from asyncrl.train.batch import HostMetrics, RLBatch, combine_host_metrics, pad_batch
+from asyncrl.train.config import ShardingConfig, TrainConfig
+from asyncrl.train.loss_config import LossConfig
+from asyncrl.train.mesh import (
+    host_allgather, make_shardings, make_train_mesh, shard_batch, train_rules, trainer_processes,
+)
+from asyncrl.train.optimizer import lr_schedule, make_optimizer
+from asyncrl.train.step import make_train_step
+
+MASTER_DTYPE = jnp.float32
+
+
+class Trainer:
+    """Owns the fp32 master params and AdamW state on the ("dp", "fsdp", "cp") mesh.
+
+    `version` is the weight version the current params represent: 0 before any step, +1 per step. A rollout's
+    lag is `version - rollout.oldest_version` at the time it is trained on."""
+
+    def __init__(self, model: Model, train_cfg: TrainConfig, loss_cfg: LossConfig, sharding_cfg: ShardingConfig,
+                 devices: Sequence[jax.Device] | None = None, temperature: float = 1.0):
+        self.train_cfg, self.loss_cfg, self.sharding_cfg = train_cfg, loss_cfg, sharding_cfg
+        self.temperature = temperature
+        self.mesh = make_train_mesh(sharding_cfg.mesh, devices)
+        self.hosts = trainer_processes(self.mesh)
+        if jax.process_index() not in self.hosts:
+            raise ValueError(f"process {jax.process_index()} owns none of the trainer mesh's devices "
+                             f"(trainer processes: {self.hosts})")
+        self.model = model.with_rules(train_rules(sharding_cfg))
+        self.tx = make_optimizer(train_cfg, model.cfg)
+        self.schedule = lr_schedule(train_cfg)
+        self.params_abstract = params_lib.shapes(model.cfg, MASTER_DTYPE)
+        self.shardings = make_shardings(self.mesh, self.model.param_shardings(self.mesh, MASTER_DTYPE),
+                                        self.params_abstract, self.tx, sharding_cfg)
+        n_data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+        micro = train_cfg.train_batch_size // train_cfg.grad_accum_steps
+        if micro % n_data:
+            raise ValueError(f"train.train_batch_size / train.grad_accum_steps = {micro} sequences per micro-batch "
+                             f"must divide over the {n_data} data-parallel devices (dp x fsdp)")
+        self._step_fn = make_train_step(self.model, self.tx, loss_cfg, self.schedule, self.shardings,
+                                        train_cfg.grad_accum_steps, temperature, train_cfg.logprob_chunk_size)
+        self.params: Params | None = None
+        self.opt_state: Any = None
+        self.step_count = 0
+        self.version = 0
+        self.rng: jax.Array | None = None
+
+    # ---- state ----------------------------------------------------------------------------------------------
+
+    def init(self, key: jax.Array) -> None:
+        """Random fp32 params (created in place on their shardings) and a fresh optimizer state."""
+        init_key, self.rng = jax.random.split(key)
+        # One program for the whole tree (init_params with shardings would compile one per leaf); same values.
+        init = lambda k: params_lib.init_params(self.model.cfg, k, MASTER_DTYPE)  # noqa: E731
+        with jax.set_mesh(self.mesh):
+            self.params = jax.jit(init, out_shardings=self.shardings.params)(init_key)
+        self._init_opt_state()
+
+    def load(self, params: Params) -> None:
+        """Start from given weights (any dtype/placement): cast to fp32 and moved onto the trainer shardings."""
+        placed = jax.device_put(params, self.shardings.params)  # from numpy, another mesh or another dtype
+        with jax.set_mesh(self.mesh):
+            self.params = jax.jit(lambda p: params_lib.cast(p, MASTER_DTYPE), out_shardings=self.shardings.params)(
+                placed)
+        if self.rng is None:
+            self.rng = jax.random.key(0)
+        self._init_opt_state()
+
+    def _init_opt_state(self) -> None:
+        with jax.set_mesh(self.mesh):
+            self.opt_state = jax.jit(self.tx.init, out_shardings=self.shardings.opt_state)(self.params)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scalars a checkpoint needs besides params and opt_state (those are saved as arrays, see `abstract_state`)."""
+        rng = None if self.rng is None else np.asarray(jax.random.key_data(self.rng))
+        return {"step": self.step_count, "version": self.version, "rng": rng}
+
+    def load_state_dict(self, state: dict[str, Any], params: Params | None = None, opt_state: Any = None) -> None:
+        """Restore counters and RNG, and optionally params / opt_state (placed onto the trainer shardings)."""
+        self.step_count = int(state["step"])
+        self.version = int(state["version"])
+        self.rng = None if state.get("rng") is None else jax.random.wrap_key_data(np.asarray(state["rng"]))
+        if params is not None:
+            self.params = jax.device_put(params, self.shardings.params)
+        if opt_state is not None:
+            self.opt_state = jax.device_put(opt_state, self.shardings.opt_state)
+        elif params is not None:
+            self._init_opt_state()
+
+    def abstract_state(self) -> dict[str, Any]:
+        """ShapeDtypeStructs with shardings for params and opt_state: restore targets for a checkpointer."""
+        opt = jax.eval_shape(self.tx.init, self.params_abstract)
+        attach = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
+        return {"params": jax.tree.map(attach, self.params_abstract, self.shardings.params),
+                "opt_state": jax.tree.map(attach, opt, self.shardings.opt_state)}
+
+    def params_for_inference(self, dtype: Any = jnp.bfloat16) -> Params:
+        """A cast copy of the current params (same shardings); the master copy is untouched."""
+        self._require_params()
+        with jax.set_mesh(self.mesh):
+            return jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.shardings.params)(self.params)
+
+    # ---- training -------------------------------------------------------------------------------------------
+
+    def step(self, local_batch: RLBatch, host_metrics: HostMetrics | None = None) -> dict[str, float]:
+        """One optimizer step on this host's share of the batch; every trainer host calls it together.
+
+        `host_metrics` (e.g. from `collect_rollouts`) are combined across hosts and merged into the result."""
+        self._require_params()
+        t0 = time.perf_counter()
+        rows = local_batch.tokens.shape[0] * len(self.hosts)
+        if rows != self.train_cfg.train_batch_size:
+            raise ValueError(f"{local_batch.tokens.shape[0]} local rows x {len(self.hosts)} trainer hosts = {rows} "
+                             f"sequences, but train.train_batch_size={self.train_cfg.train_batch_size}")
+        local_batch = self._agree_across_hosts(local_batch)
+        with jax.set_mesh(self.mesh):
+            global_batch = shard_batch(local_batch, self.shardings)
+            self.params, self.opt_state, metrics = self._step_fn(
+                self.params, self.opt_state, global_batch, jnp.asarray(self.step_count, jnp.int32))
+        # Replicated scalars: this host's copy is the global value (a multi-host array is not fully addressable).
+        out = {f"train/{k}": float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
+        self.step_count += 1
+        self.version += 1
+        out["train/step_time_s"] = time.perf_counter() - t0
+        if host_metrics:
+            out |= self._combine_host_metrics(host_metrics)
+        return out
+
+    def _agree_across_hosts(self, batch: RLBatch) -> RLBatch:
+        """Make group ids unique per host and pad every host to the same T (one tiny collective per step)."""
+        if len(self.hosts) == 1:
+            return batch
+        B = batch.tokens.shape[0]
+        offset = self.hosts.index(jax.process_index()) * B
+        batch = dataclasses.replace(batch, group_ids=np.asarray(batch.group_ids) + offset)
+        lengths = host_allgather(np.asarray([batch.tokens.shape[1]]), self.mesh)
+        return pad_batch(batch, int(lengths.max()))
+
+    def _combine_host_metrics(self, metrics: HostMetrics) -> HostMetrics:
+        if len(self.hosts) == 1:
+            return dict(metrics)
+        keys = sorted(metrics)
+        rows = host_allgather(np.asarray([metrics[k] for k in keys]), self.mesh)  # [n_hosts, k]
+        return combine_host_metrics([dict(zip(keys, map(float, row))) for row in rows])
+
+    def _require_params(self) -> None:
+        if self.params is None:
+            raise RuntimeError("Trainer has no params: call init(key) or load(params) first")
+
+    def compiled_step_count(self) -> int:
+        """Number of compiled train-step programs (stays bounded: one per padded length T)."""
+        return self._step_fn._cache_size()

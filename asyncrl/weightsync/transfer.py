@@ -1,0 +1,95 @@
+"""Weight sync as a chain of cross-host `jax.device_put` hops inside the shared jax.distributed job.
+
+Hosts are cut into `n_slots = hosts / train_workers` equal slots of consecutive ranks; slot 0 holds the trainers.
+Each slot gets a 1-D mesh over its devices. The trainer puts its (cast) tree replicated on slot 0's mesh, then
+slot i sends to slot i+1 for i = 0..n_slots-2. Every process runs every hop: a process in the sending slot passes
+its real arrays, the others pass an empty stand-in of the same abstract value, and the receiving slot gets the
+materialized arrays. `device_put` is asynchronous, so all leaves of all hops are enqueued and pipelined; the
+more leaves, the more sends overlap. This is the blog's `RDMATransferServer`; on TPU the hops ride ICI, on CPU
+the DCN transfer path (needs `jax_cross_host_transfer_socket_address`, see `enable_cpu_transfers`).
+
+All processes must call `transfer` together (it is a collective), like any multi-host JAX computation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def enable_cpu_transfers(host: str = "127.0.0.1") -> None:
+    """CPU backends refuse cross-host device_put unless each process names a socket for it (FACTS.md).
+    Must run before the first transfer."""
+    jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{free_port()}")
+
+
+def _slot_mesh(devices: np.ndarray) -> Mesh:
+    return Mesh(devices, ("devices",), axis_types=(AxisType.Explicit,))
+
+
+class HopChainTransfer:
+    def __init__(self, train_workers: int):
+        hosts = jax.process_count()
+        if not 1 <= train_workers < max(hosts, 2) or hosts % train_workers != 0:
+            raise ValueError(
+                f"async.train_workers={train_workers} must be in [1, {hosts}) and divide the {hosts} hosts "
+                "(every hop moves between equal-sized slots)"
+            )
+        self.train_workers = train_workers
+        self.n_slots = hosts // train_workers
+        per_host = jax.local_device_count()
+        self.slot_size = train_workers * per_host
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        self.slots = [np.array(devices[j * self.slot_size : (j + 1) * self.slot_size]) for j in range(self.n_slots)]
+        for j, devs in enumerate(self.slots):
+            owners = {d.process_index for d in devs}
+            if owners != set(range(j * train_workers, (j + 1) * train_workers)):
+                raise RuntimeError(f"slot {j} devices belong to processes {sorted(owners)}; expected consecutive ranks")
+        self.meshes = [_slot_mesh(d) for d in self.slots]
+        self.shardings = [NamedSharding(m, P()) for m in self.meshes]
+        self.slot = jax.process_index() // train_workers
+        self.transfers = 0
+
+    def receiving_sharding(self) -> NamedSharding:
+        """Where this process ends up holding the tree (its own slot's replicated layout)."""
+        return self.shardings[self.slot]
+
+    def transfer(self, tree: Any, shapes: Any | None = None) -> tuple[Any, dict[str, float]]:
+        """Trainers pass their params (any sharding on the trainer mesh); the others pass None and `shapes` (a
+        ShapeDtypeStruct tree). Returns (this slot's materialized tree, timings)."""
+        t0 = time.perf_counter()
+        tag = f"weight_sync_{self.transfers}"
+        multihost_utils.sync_global_devices(tag + "_start")
+        t1 = time.perf_counter()
+        if shapes is None:
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        if self.slot == 0:
+            tree = jax.device_put(tree, self.shardings[0])
+        out = tree if self.slot == 0 else None
+        for i, (src, dst) in enumerate(itertools.pairwise(self.shardings)):
+            buffer = out if self.slot == i else jax.tree.map(
+                lambda s, sh=src: jax.make_array_from_single_device_arrays(s.shape, sh, [], dtype=s.dtype), shapes
+            )
+            moved = jax.device_put(buffer, dst)
+            if self.slot == i + 1:
+                out = moved
+        out = jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        multihost_utils.sync_global_devices(tag + "_end")
+        self.transfers += 1
+        nbytes = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+        return out, {"weight_sync_s": time.perf_counter() - t0, "weight_sync_barrier_s": t1 - t0,
+                     "weight_sync_hops_s": t2 - t1, "weight_sync_bytes": float(nbytes)}

@@ -1,0 +1,182 @@
+"""Rollouts -> RLBatch layout, and the collector's staleness / zero-variance filters on hand-built records.
+
+Also home of the rollout builders that the other trainer tests (and the multi-process worker) import.
+"""
+
+from __future__ import annotations
+
+import queue
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from asyncrl.inference.rollout import Completion, Rollout
+from asyncrl.models import params as params_lib
+from asyncrl.models.config import ModelConfig
+from asyncrl.train.batch import (
+    RolloutTimeout, build_batch, collect_rollouts, combine_host_metrics, pad_batch,
+)
+from asyncrl.train.loss_config import LossConfig
+from asyncrl.train.losses import prepare_loss_inputs
+
+
+def make_rollout(rng: np.random.Generator, uid: int, group_size: int, vocab: int, prompt_len: int, max_new: int,
+                 rewards: list[float] | None = None, version: int = 0, oldest_version: int | None = None) -> Rollout:
+    """A scored group of random completions; some end in a forced token; tokens carry versions in [oldest, version]."""
+    completions = []
+    for i in range(group_size):
+        n = int(rng.integers(1, max_new + 1))
+        forced = np.zeros(n, bool)
+        if n > 2 and rng.random() < 0.3:
+            forced[-1] = True
+        versions = np.full(n, version, np.int32)
+        if oldest_version is not None:
+            versions[: max(1, n // 2)] = oldest_version
+        reward = float(rng.integers(0, 2)) if rewards is None else rewards[i]
+        completions.append(Completion(
+            tokens=rng.integers(1, vocab, n).astype(np.int32),
+            logprobs=np.where(forced, 0.0, -rng.uniform(0.5, 5.0, n)).astype(np.float32),
+            forced=forced, versions=versions, reward=reward, reason="correct" if reward else "wrong"))
+    return Rollout(sample=SimpleNamespace(id=f"s{uid}", answer="1"),
+                   prompt_tokens=rng.integers(1, vocab, prompt_len).astype(np.int32),
+                   completions=completions, group_size=group_size, uid=uid)
+
+
+def make_rollouts(seed: int, n_groups: int, group_size: int, vocab: int, prompt_len: int = 5,
+                  max_new: int = 10) -> list[Rollout]:
+    """Random groups; every third one has alternating 0/1 rewards so that advantages are surely non-zero."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_groups):
+        r = make_rollout(rng, g, group_size, vocab, prompt_len, max_new)
+        if g % 3 == 0:
+            for i, c in enumerate(r.completions):
+                c.reward = float(i % 2)
+        out.append(r)
+    return out
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> params_lib.Params:
+    """Host (numpy) weights with the model's init scales; no jax.random program to compile, unlike init_params."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(spec: params_lib.ParamSpec) -> np.ndarray:
+        if spec.init == "ones":
+            return np.ones(spec.shape, np.float32)
+        return (rng.standard_normal(spec.shape) / np.sqrt(spec.fan_in)).astype(np.float32)
+
+    return jax.tree.map(leaf, params_lib.abstract(cfg), is_leaf=lambda x: isinstance(x, params_lib.ParamSpec))
+
+
+def _completion(tokens, logprobs, forced, versions, reward) -> Completion:
+    return Completion(tokens=np.asarray(tokens, np.int32), logprobs=np.asarray(logprobs, np.float32),
+                      forced=np.asarray(forced, bool), versions=np.asarray(versions, np.int32), reward=reward)
+
+
+def test_build_batch_layout():
+    g0 = Rollout(sample=SimpleNamespace(id="a", answer=""), prompt_tokens=np.array([5, 6, 7], np.int32), group_size=2,
+                 completions=[_completion([10, 11, 12], [-1.0, -2.0, 0.0], [0, 0, 1], [3, 3, 4], 1.0),
+                              _completion([13], [-0.5], [0], [4], 0.0)])
+    g1 = Rollout(sample=SimpleNamespace(id="b", answer=""), prompt_tokens=np.array([8], np.int32), group_size=2,
+                 completions=[_completion([20, 21, 22, 23, 24, 25, 26, 27, 28], [-0.1] * 9, [0] * 9, [5] * 9, 1.0),
+                              _completion([30, 31], [-0.2, -0.3], [0, 0], [5, 5], 1.0)])
+    cfg = LossConfig(name="dapo")
+    b = build_batch([g0, g1], version=6, loss_cfg=cfg, pad_to_multiple=8)
+    assert b.tokens.shape == (4, 16) and b.tokens.dtype == np.int32  # longest row 10 -> next multiple of 8
+    np.testing.assert_array_equal(b.tokens[0, :7], [5, 6, 7, 10, 11, 12, 0])
+    np.testing.assert_array_equal(b.tokens[2, :11], [8, 20, 21, 22, 23, 24, 25, 26, 27, 28, 0])
+    np.testing.assert_array_equal(b.seq_lens, [6, 4, 10, 3])
+    # Index t is the sampler's logprob of token t; prompt, forced and pad positions are 0 and out of the loss.
+    np.testing.assert_allclose(b.sampler_logprobs[0, :7], [0, 0, 0, -1.0, -2.0, 0, 0])
+    np.testing.assert_array_equal(b.loss_mask[0, :7], [0, 0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(b.loss_mask.sum(1), [2, 1, 9, 2])
+    np.testing.assert_array_equal(b.group_ids, [0, 0, 1, 1])
+    np.testing.assert_allclose(b.rewards, [1, 0, 1, 1])
+    np.testing.assert_allclose(b.group_mean, [0.5, 0.5, 1, 1])
+    np.testing.assert_allclose(b.group_std, [np.sqrt(0.5), np.sqrt(0.5), 0, 0], rtol=1e-6)
+    np.testing.assert_array_equal(b.lag, [3, 2, 1, 1])  # per row: 6 - its oldest token version
+    adv, w = prepare_loss_inputs(b.rewards, b.group_ids, b.loss_mask, cfg)
+    np.testing.assert_allclose(b.advantages, np.asarray(adv))
+    np.testing.assert_allclose(b.weights, np.asarray(w))
+    np.testing.assert_allclose(b.weights.sum(), 1.0, rtol=1e-6)  # token_mean over the whole batch
+
+
+def test_build_batch_rejects_bad_input():
+    r = make_rollouts(0, 1, 2, 50)[0]
+    with pytest.raises(ValueError, match="does not fit seq_len"):
+        build_batch([r], 0, LossConfig(), seq_len=3)
+    r.prompt_tokens = np.zeros((0,), np.int32)
+    with pytest.raises(ValueError, match="empty prompt"):
+        build_batch([r], 0, LossConfig())
+    r = make_rollouts(0, 1, 2, 50)[0]
+    r.completions[1].reward = None
+    with pytest.raises(ValueError, match="unscored"):
+        build_batch([r], 0, LossConfig())
+
+
+def test_pad_batch_keeps_values():
+    b = build_batch(make_rollouts(0, 2, 2, 50), 0, LossConfig(), pad_to_multiple=16)
+    p = pad_batch(b, 32)
+    assert p.tokens.shape == (4, 32) and p.weights.shape == (4, 32)
+    np.testing.assert_array_equal(p.tokens[:, :16], b.tokens)
+    assert not p.loss_mask[:, 16:].any() and not p.tokens[:, 16:].any()
+    with pytest.raises(ValueError):
+        pad_batch(b, 8)
+
+
+def _queue_of(rollouts: list[Rollout]):
+    q: queue.Queue = queue.Queue()
+    for r in rollouts:
+        q.put(r)
+    return lambda timeout: q.get(timeout=timeout)
+
+
+def test_collect_filters_stale_and_zero_variance_groups():
+    rng = np.random.default_rng(0)
+    version, max_lag = 10, 2
+    mk = lambda uid, rewards, oldest: make_rollout(rng, uid, 3, 50, 4, 6, rewards, version=version,  # noqa: E731
+                                                     oldest_version=oldest)
+    stream = [
+        mk(0, [1.0, 0.0, 0.0], 10),  # fresh, mixed rewards: kept (lag 0)
+        mk(1, [1.0, 0.0, 1.0], 7),  # lag 3 > 2: dropped for lag
+        mk(2, [1.0, 1.0, 1.0], 9),  # all equal: dropped as zero-variance
+        mk(3, [0.0, 0.0, 0.0], 5),  # stale *and* equal: counted once, as lag
+        mk(4, [0.0, 1.0, 0.0], 8),  # lag exactly max_lag: kept
+        mk(5, [1.0, 0.0, 1.0], 10),  # never read: the collector stops at n_groups
+    ]
+    ticks = iter([100.0, 103.5])
+    kept, m = collect_rollouts(_queue_of(stream), n_groups=2, version=version, max_lag=max_lag,
+                               drop_zero_variance=True, timeout_s=1.0, clock=lambda: next(ticks))
+    assert [r.uid for r in kept] == [0, 4]
+    assert m["rollout/filtered_lag"] == 2 and m["rollout/filtered_zero_variance"] == 1
+    assert (m["rollout/lag_min"], m["rollout/lag_max"], m["rollout/lag_mean"]) == (0, 2, 1)
+    assert m["rollout/queue_wait_s_max"] == pytest.approx(3.5)
+    assert m["rollout/reward_mean"] == pytest.approx(2 / 6)
+    lens = [len(c.tokens) for r in kept for c in r.completions]
+    assert m["rollout/completion_len_mean"] == pytest.approx(np.mean(lens))
+
+
+def test_collect_keeps_zero_variance_groups_unless_asked():
+    rng = np.random.default_rng(1)
+    stream = [make_rollout(rng, i, 2, 50, 3, 4, [1.0, 1.0]) for i in range(2)]
+    kept, m = collect_rollouts(_queue_of(stream), n_groups=2, version=0, max_lag=0, timeout_s=1.0)
+    assert len(kept) == 2 and m["rollout/filtered_zero_variance"] == 0
+
+
+def test_collect_times_out_with_a_message():
+    rng = np.random.default_rng(2)
+    get = _queue_of([make_rollout(rng, 0, 2, 50, 3, 4, [1.0, 0.0], version=0)])
+    with pytest.raises(RolloutTimeout, match=r"trainer-0 waited .* 1/3 groups for version 5"):
+        collect_rollouts(get, n_groups=3, version=5, max_lag=8, timeout_s=0.01, who="trainer-0")
+    with pytest.raises(RolloutTimeout):
+        collect_rollouts(lambda t: None, n_groups=1, version=0, max_lag=0, timeout_s=0.01)
+
+
+def test_combine_host_metrics_by_suffix():
+    out = combine_host_metrics([
+        {"rollout/lag_min": 1.0, "rollout/lag_max": 3.0, "rollout/lag_mean": 2.0, "rollout/filtered_lag": 2.0},
+        {"rollout/lag_min": 0.0, "rollout/lag_max": 5.0, "rollout/lag_mean": 1.0, "rollout/filtered_lag": 1.0},
+    ])
+    assert out == {"rollout/lag_min": 0.0, "rollout/lag_max": 5.0, "rollout/lag_mean": 1.5, "rollout/filtered_lag": 3.0}

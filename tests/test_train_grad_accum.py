@@ -1,0 +1,56 @@
+"""Gradient accumulation: 4 micro-batches give the same update as one batch, for every loss (fp32, tiny model).
+
+Weights are normalised over the full batch before it is split, so the micro-batch sum is the full-batch loss.
+Every loss compiles two train steps (~5-15 s each on 2 busy cores), so only cispo runs in the
+default suite; the others are marked slow.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncrl.models import Model, preset
+from asyncrl.train.batch import build_batch
+from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
+from asyncrl.train.loss_config import LOSS_NAMES, LossConfig
+from asyncrl.train.mesh import shard_batch
+from asyncrl.train.step import make_train_step
+from asyncrl.train.trainer import Trainer
+from tests.test_train_batch import make_rollouts, random_params
+
+DEFAULT_SUITE = ("cispo",)  # the default loss; the PPO-clip family runs with the slow tests
+TRAIN = TrainConfig(train_batch_size=32, lr=1e-4, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def trainer() -> Trainer:
+    t = Trainer(Model(preset("tiny")), TRAIN, LossConfig(), ShardingConfig(mesh=MeshConfig(dp=1, fsdp=1)),
+                devices=jax.devices()[:1])
+    t.load(random_params(preset("tiny")))
+    return t
+
+
+def _step(trainer: Trainer, loss_cfg: LossConfig, grad_accum_steps: int, batch):
+    fn = make_train_step(trainer.model, trainer.tx, loss_cfg, trainer.schedule, trainer.shardings, grad_accum_steps,
+                         trainer.temperature, chunk_size=64)
+    params = jax.tree.map(jnp.copy, trainer.params)  # the step donates its inputs
+    opt_state = jax.tree.map(jnp.copy, trainer.opt_state)
+    with jax.set_mesh(trainer.mesh):
+        return fn(params, opt_state, shard_batch(batch, trainer.shardings), jnp.int32(0))
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LOSS_NAMES])
+def test_four_micro_batches_equal_one_batch(trainer, name):
+    loss_cfg = LossConfig(name=name)
+    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), 0, loss_cfg, pad_to_multiple=16)
+    p1, o1, m1 = _step(trainer, loss_cfg, 1, batch)
+    p4, o4, m4 = _step(trainer, loss_cfg, 4, batch)
+    for k in m1:
+        np.testing.assert_allclose(float(m4[k]), float(m1[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((p1, o1)), jax.tree.leaves((p4, o4))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
+    assert float(m1["grad_norm"]) > 0
