@@ -7,6 +7,7 @@ with a STRICT_SPREAD placement group.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -121,6 +122,8 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
         coordinator = f"{info[0]['ip']}:{port}"
         log.info("joining %d hosts via jax.distributed at %s", len(actors), coordinator)
         ray.get([a.start_jax.remote(coordinator, timeout) for a in actors], timeout=timeout + 30)
+        with open(os.path.join(run_dir, "hosts.json"), "w") as f:  # who is who (pids for debugging and tests)
+            json.dump([{**h, "role": role_of(h["rank"], tw)} for h in info], f, indent=1)
         refs = {a.run.remote(): i for i, a in enumerate(actors)}
         while True:
             for row in queues["driver"].drain():

@@ -46,7 +46,8 @@ class InferenceWorker:
         self.gate = SyncGate()
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
-        self.to_score: "queue.Queue[tuple[Rollout, list]]" = queue.Queue(maxsize=256)
+        # Separate lanes: a train rollout blocked on the full (bounded) rollout queue must never hold up eval.
+        self.lanes: dict[bool, "queue.Queue[tuple[Rollout, list]]"] = {True: queue.Queue(), False: queue.Queue(maxsize=256)}
 
     # ---- weight sync ----------------------------------------------------------------------------------------
 
@@ -97,11 +98,12 @@ class InferenceWorker:
 
     # ---- scoring and shipping -------------------------------------------------------------------------------
 
-    def _push(self) -> None:
+    def _push(self, is_eval: bool) -> None:
+        lane = self.lanes[is_eval]
         try:
-            while not (self.stop.is_set() and self.to_score.empty()):
+            while not self.stop.is_set():
                 try:
-                    rollout, futures = self.to_score.get(timeout=0.2)
+                    rollout, futures = lane.get(timeout=0.2)
                 except queue.Empty:
                     continue
                 for c, f in zip(rollout.completions, futures):
@@ -121,7 +123,7 @@ class InferenceWorker:
     def _on_group(self, r: Rollout) -> None:
         sample = r.sample[2]
         futures = [self.verifier.submit(c.text, sample) for c in r.completions]
-        self.to_score.put((r, futures))
+        self.lanes[r.is_eval].put((r, futures))
 
     # ---- replica loop ---------------------------------------------------------------------------------------
 
@@ -203,7 +205,8 @@ class InferenceWorker:
             self.replicas = ReplicaSet(Model(mcfg), self.gate.params, cfg.inference, self.tokenizer,
                                        devices=jax.local_devices(), seed=cfg.run.seed, version=self.gate.version,
                                        name=f"inference{self.rank}")
-        threads = [threading.Thread(target=self._push, name="scorer", daemon=True)]
+        threads = [threading.Thread(target=self._push, args=(lane,), name=f"scorer-{'eval' if lane else 'train'}",
+                                    daemon=True) for lane in (True, False)]
         threads += [threading.Thread(target=self._replica_loop, args=(e,), name=e.name, daemon=True)
                     for e in self.replicas.engines]
         for t in threads:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class TrainerWorker:
         self.dropped = 0
         self.released = 0
         self.position = 0  # next train data position
+        self.synced_version = -1  # the version the inference hosts hold (the feeder gates on this, not on the
+        # trainer's own version, so no prompt is released between a step and the sync of its weights)
 
     # ---- setup ----------------------------------------------------------------------------------------------
 
@@ -112,6 +115,7 @@ class TrainerWorker:
                 self.q["weight_sync"].put({"version": self.trainer.version})
         _, m = self.transfer.transfer(params)
         del params
+        self.synced_version = self.trainer.version
         m["weight_sync_s"] = time.perf_counter() - t0
         return m
 
@@ -119,7 +123,7 @@ class TrainerWorker:
 
     def _allowed(self) -> int:
         slack = self.P if self.cfg.async_.max_lag > 0 else 0
-        return self.P * (self.trainer.version + self.cfg.async_.max_lag + 1) + self.dropped + slack
+        return self.P * (self.synced_version + self.cfg.async_.max_lag + 1) + self.dropped + slack
 
     def _feed(self) -> None:
         it = self.task.samples("train", self.cfg.task.seed)
@@ -215,6 +219,8 @@ class TrainerWorker:
             if self.ckpt is not None and cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0:
                 self.ckpt.save(step, tr.params, tr.opt_state, {**tr.state_dict(), "position": self._consumed(),
                                                                "dropped": self.dropped})
+            if step == total:
+                self.stop.set()  # no more train prompts: inference capacity goes to the final eval
             if self.rank == 0:
                 if step == total and evals_every:  # the final eval, on the final weights
                     if pending_eval is not None:
@@ -226,8 +232,27 @@ class TrainerWorker:
                 self.q["driver"].put(row)
             last_row = row
         self.stop.set()
+        if cfg.checkpoint.export_hf:
+            self._export()
         return {"steps": tr.step_count, "version": tr.version, "last": {k: v for k, v in last_row.items()
                                                                          if isinstance(v, (int, float))}}
+
+    def _export(self) -> None:
+        """The final policy as a Hugging Face folder (run_dir/hf) that transformers and vLLM read."""
+        from asyncrl.models import save_pretrained
+        from asyncrl.models.sources import load_tokenizer, resolve_path
+
+        out = os.path.join(self.run_dir, "hf")
+        save_pretrained(self.trainer.model, self.trainer.params, out)  # collective over the trainer mesh
+        if self.rank == 0:
+            src = self.cfg.model.tokenizer or resolve_path(self.cfg.model)
+            if src is None:  # presets train with the character tokenizer built in the run dir
+                load_tokenizer(self.cfg.model, self.run_dir)
+                src = os.path.join(self.run_dir, "char_tokenizer")
+            for f in os.listdir(src):
+                if f.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+                    shutil.copy(os.path.join(src, f), os.path.join(out, f))
+            log.info("exported the final policy to %s", out)
 
     def _consumed(self) -> int:
         """Data position to resume from: every prompt released so far has been trained on or dropped, except

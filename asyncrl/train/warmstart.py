@@ -1,7 +1,7 @@
 """Format warm-start: a short SFT that teaches the *answer format* but not the task, so RL has signal to work with.
 
 A model trained from random init never emits "one digit, then EOS", so its reward is exactly 0 and every
-advantage is 0. We fine-tune on train prompts paired with the gold answers of *other, shuffled* samples: the
+advantage is 0. We fine-tune on train prompts paired with answers drawn at random from the task's answer set: the
 model learns what an answer looks like and where to stop, while the prompt-to-answer rule stays unlearned
 (its eval reward stays at chance). Everything the eval curve gains afterwards comes from the RL loop.
 The result is cached (a Hugging Face folder) keyed by everything that determines it.
@@ -27,8 +27,12 @@ log = logging.getLogger(__name__)
 
 def _examples(task: Any, tokenizer: Any, n: int, seed: int, chat: bool) -> list[tuple[list[int], list[int]]]:
     samples = list(itertools.islice(task.samples("train", seed), n))
-    answers = [s.answer for s in samples]
-    random.Random(seed).shuffle(answers)  # mismatched labels: format only
+    # Labels drawn uniformly from the distinct gold answers, independent of the prompt: format only. (Shuffling
+    # the gold answers would also teach their marginal, e.g. "say 9" for max-of-digits, which is a partial
+    # solution the RL curve should have to find itself.)
+    distinct = sorted({s.answer for s in samples})
+    rng = random.Random(seed)
+    answers = [rng.choice(distinct) for _ in samples]
     out = []
     for s, a in zip(samples, answers):
         out.append((tokenizer.encode_prompt(s.prompt, chat=chat), tokenizer.encode(a) + [tokenizer.eos_id]))
@@ -74,7 +78,7 @@ def cached_format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, 
                             cache_root: str, seed: int, chat: bool = False) -> Any:
     from asyncrl.models import from_pretrained, save_pretrained
 
-    key = json.dumps({"model": repr(model.cfg), "task": repr(task_cfg), "steps": steps, "seed": seed, "chat": chat,
+    key = json.dumps({"v": 2, "model": repr(model.cfg), "task": repr(task_cfg), "steps": steps, "seed": seed, "chat": chat,
                       "vocab": tokenizer.vocab_size}, sort_keys=True)
     folder = os.path.join(cache_root, "warmstart-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     if os.path.isfile(os.path.join(folder, "model.safetensors")):

@@ -1,0 +1,70 @@
+"""End to end through `python launch.py`: 3 simulated hosts (1 trainer, 2 inference x 2 replicas), max_lag=1."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ray_pids() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    keys = ("raylet", "gcs_server", "ray::", "HostActor", "dashboard.py", "log_monitor.py")
+    return {int(line.split(None, 1)[0]) for line in out if any(k in line for k in keys)}
+
+
+def launch(run_dir, *overrides, timeout=600, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    env |= env_extra or {}
+    cmd = [sys.executable, "launch.py", f"run.run_dir={run_dir}", "logging.ray_metrics=false", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+TINY = ["train.total_steps=6", "train.format_warmstart_steps=0", "inference.max_seq_len=24",
+        "inference.max_decode_batch_size=8", "inference.max_prefill_prompts=4", "train.train_batch_size=32",
+        "inference.group_size=4", "eval.num_prompts=8", "eval.group_size=2"]
+
+
+def test_end_to_end_three_hosts(tmp_path):
+    before = _ray_pids()
+    run_dir = str(tmp_path / "run")
+    res = launch(run_dir, *TINY, "run.hosts=3", "run.devices_per_host=2", "async.train_workers=1", "async.max_lag=1",
+                 "eval.every_n_steps=3", "checkpoint.every_n_steps=0", "checkpoint.resume=false")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    r = rows(run_dir)
+    assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
+    for key in ("train/loss", "rollout/reward_mean", "train/tokens_per_s", "rollout/lag_min", "rollout/lag_mean",
+                "rollout/lag_max", "rollout/filtered_lag", "weight_sync_s", "rollout/queue_wait_s_max"):
+        assert all(key in x for x in r), key
+    assert all(x["rollout/lag_max"] <= 1 for x in r)  # no trained sample exceeded max_lag
+    assert [x["weight_version"] for x in r] == [1, 2, 3, 4, 5, 6]  # weights synced every step
+    versions = [x["inference/version"] for x in r if "inference/version" in x]
+    assert versions and max(versions) > min(versions)  # the inference side saw the version rise
+    assert any("inference/decode_tokens_per_s" in x for x in r)
+    evals = [x for x in r if "eval/reward_mean" in x]
+    assert evals and all("eval/pass@1" in x and "eval/pass@2" in x for x in evals)
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(run_dir, "tb")))
+    assert os.path.isfile(os.path.join(run_dir, "reward_curve.png"))
+    assert "eval reward before RL" in res.stdout
+    # The driver started its own cluster and took it down: nothing new is left running.
+    deadline = time.time() + 20
+    while (_ray_pids() - before) and time.time() < deadline:
+        time.sleep(1)
+    assert not (_ray_pids() - before), subprocess.run(["ps", "-fp", ",".join(map(str, _ray_pids() - before))],
+                                                      capture_output=True, text=True).stdout
+
+
+def test_bad_override_fails_fast(tmp_path):
+    t0 = time.time()
+    res = launch(str(tmp_path / "r"), "async.train_workers=2", "run.hosts=3")
+    assert res.returncode == 2 and "async.train_workers=2" in res.stderr
+    assert time.time() - t0 < 60

@@ -1,0 +1,112 @@
+"""Checkpoint/resume, host failure, and Ray Job submission: each runs real local Ray clusters (slow)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.test_orchestration_e2e import ROOT, TINY, launch, rows
+
+pytestmark = pytest.mark.slow
+RESUME = [*TINY, "train.total_steps=8", "async.max_lag=0", "checkpoint.every_n_steps=2", "checkpoint.export_hf=true",
+          "eval.every_n_steps=0", "run.seed=3"]
+
+
+def _wait_for_step(run_dir, step, proc, timeout=400):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError("run ended early:\n" + proc.stderr.read()[-4000:])
+        try:
+            if any(r["step"] >= step for r in rows(run_dir)):
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def _params(run_dir):
+    from asyncrl.models.safetensors_io import SafetensorsFile
+
+    f = SafetensorsFile(os.path.join(run_dir, "hf", "model.safetensors"))
+    return {k: np.array(f.get(k)) for k in f.keys()}
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    straight = str(tmp_path / "straight")
+    res = launch(straight, *RESUME)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+    resumed = str(tmp_path / "resumed")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    proc = subprocess.Popen([sys.executable, "launch.py", f"run.run_dir={resumed}", "logging.ray_metrics=false", *RESUME],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _wait_for_step(resumed, 4, proc)
+    proc.send_signal(signal.SIGINT)  # the driver's job is killed; it must take its cluster down with it
+    proc.communicate(timeout=120)
+    assert max(int(x) for x in os.listdir(os.path.join(resumed, "checkpoints")) if x.isdigit()) >= 4
+    res = launch(resumed, *RESUME)  # same command, same run dir: resumes from the latest checkpoint
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resuming" in res.stderr
+    assert [r["step"] for r in rows(resumed)] == list(range(1, 9))  # every step exactly once
+    a, b = _params(straight), _params(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_inference_host_killed(tmp_path, restarts):
+    run_dir = str(tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    args = [*TINY, "train.total_steps=8", "checkpoint.every_n_steps=2", f"run.max_restarts={restarts}",
+            "eval.every_n_steps=0", "async.queue_timeout_s=60"]
+    proc = subprocess.Popen([sys.executable, "launch.py", f"run.run_dir={run_dir}", "logging.ray_metrics=false", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _wait_for_step(run_dir, 3, proc)
+    hosts = json.load(open(os.path.join(run_dir, "hosts.json")))
+    victim = next(h for h in hosts if h["role"] == "inference")
+    t0 = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    out, err = proc.communicate(timeout=400)
+    assert time.time() - t0 < 400
+    if restarts:
+        assert proc.returncode == 0, err[-4000:]
+        assert f"host {victim['rank']} (inference)" in err and "restarting" in err
+        assert [r["step"] for r in rows(run_dir)] == list(range(1, 9))
+    else:
+        assert proc.returncode == 1
+        assert f"host {victim['rank']} (inference) failed" in err
+
+
+def test_submit_to_running_cluster(tmp_path):
+    ray = shutil.which("ray", path=os.path.dirname(sys.executable))
+    port, dash = 6391, 8279
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    subprocess.run([ray, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=2",
+                    "--dashboard-host=127.0.0.1"], check=True, capture_output=True, env=env, timeout=120)
+    try:
+        address = f"http://127.0.0.1:{dash}"
+        run_dir = str(tmp_path / "job")
+        res = subprocess.run([sys.executable, "launch.py", "submit", "--address", address, "--wait",
+                              f"run.run_dir={run_dir}", "logging.ray_metrics=false", *TINY, "train.total_steps=2",
+                              "eval.every_n_steps=0"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        job_id = res.stdout.split("submitted job ", 1)[1].split()[0]
+        assert "dashboard:" in res.stdout
+        st = subprocess.run([sys.executable, "launch.py", "status", job_id, "--address", address], cwd=ROOT,
+                            capture_output=True, text=True, env=env, timeout=120)
+        assert "SUCCEEDED" in st.stdout, st.stdout + st.stderr
+        logs = subprocess.run([sys.executable, "launch.py", "logs", job_id, "--address", address], cwd=ROOT,
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert "run summary" in logs.stdout
+        assert [r["step"] for r in rows(run_dir)] == [1, 2]
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)

@@ -1,0 +1,43 @@
+"""One process of the multi-process weight-sync test (run by tests/test_weight_sync.py, not by pytest)."""
+
+import os
+import sys
+
+rank, n, port, tw, ndev = (int(a) for a in sys.argv[1:6])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+from asyncrl.weightsync.transfer import HopChainTransfer, enable_cpu_transfers  # noqa: E402
+
+enable_cpu_transfers()
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=rank)
+
+from asyncrl.models import Model, params as params_lib, preset  # noqa: E402
+
+model = Model(preset("tiny"))
+hc = HopChainTransfer(tw)
+init = lambda k: params_lib.cast(params_lib.init_params(model.cfg, k, jnp.float32), jnp.bfloat16)  # noqa: E731
+shapes = params_lib.shapes(model.cfg, jnp.bfloat16)
+for round_ in range(2):  # two syncs: the second reuses the compiled hops and must deliver the new values
+    key = jax.random.PRNGKey(round_)
+    if hc.slot == 0:  # trainers: a global array over the trainer slot (spans tw processes)
+        tree = jax.jit(init, out_shardings=jax.tree.map(lambda _: NamedSharding(hc.meshes[0], P()), shapes))(key)
+        out, t = hc.transfer(tree)
+    else:
+        out, t = hc.transfer(None, shapes)
+    expected = jax.device_get(jax.jit(init, device=jax.local_devices()[0])(key))  # same values, computed locally
+    ok = True
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
+        shards = [s for s in got.addressable_shards]
+        ok &= len(shards) == jax.local_device_count()
+        for s in shards:
+            ok &= np.asarray(s.data).dtype == want.dtype and np.array_equal(
+                np.asarray(s.data).view(np.uint16), np.asarray(want).view(np.uint16))
+    print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={bool(ok)} bytes={int(t['weight_sync_bytes'])}", flush=True)
