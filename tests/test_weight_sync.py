@@ -25,7 +25,7 @@ def _run(n: int, tw: int, ndev: int = 2) -> list[str]:
     outs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=240)
+            out, _ = p.communicate(timeout=int(os.environ.get("WS_TIMEOUT", "240")))
             outs.append(out)
             assert p.returncode == 0, out[-3000:]
     finally:
@@ -35,9 +35,9 @@ def _run(n: int, tw: int, ndev: int = 2) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,tw", [(2, 1), (4, 2)])
-def test_hop_chain_bit_exact(n, tw):
-    results = _run(n, tw)
+@pytest.mark.parametrize("n,tw,ndev", [(3, 1, 1), (4, 2, 1), (4, 1, 1)])
+def test_hop_chain_bit_exact(n, tw, ndev):
+    results = _run(n, tw, ndev)
     assert len(results) == 2 * n, results
     assert all("ok=True" in r for r in results), results
     # every slot took part: slot 0 (trainers) and slots 1.. (receivers)

@@ -85,7 +85,8 @@ class HopChainTransfer:
             )
             moved = jax.device_put(buffer, dst)
             if self.slot == i + 1:
-                out = moved
+                # A forwarding slot holds its copy before sending it on.
+                out = jax.block_until_ready(moved) if i + 2 < self.n_slots else moved
         out = jax.block_until_ready(out)
         t2 = time.perf_counter()
         multihost_utils.sync_global_devices(tag + "_end")
