@@ -82,6 +82,8 @@ class TrainerWorker:
         if self.ckpt is not None and cfg.checkpoint.resume and self.ckpt.latest_step() is not None:
             step = self.ckpt.latest_step()
             state, meta = self.ckpt.restore(step, self.trainer.abstract_state())
+            if meta.get("rng") is not None:  # JSON turned the key data into plain ints
+                meta["rng"] = np.asarray(meta["rng"], np.uint32)
             self.trainer.load_state_dict(meta, state["params"], state["opt_state"])
             self.position, self.dropped = int(meta["position"]), int(meta.get("dropped", 0))
             log.info("resumed from checkpoint step %d (data position %d)", step, self.position)
