@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from asyncrl.models import params as params_lib
 from asyncrl.models.config import ModelConfig
@@ -252,6 +252,3 @@ class Model:
     def with_rules(self, rules: ShardingRules | None) -> "Model":
         return dataclasses.replace(self, rules=rules)
 
-
-def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())

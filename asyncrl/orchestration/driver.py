@@ -132,6 +132,8 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
             for ref in ready:
                 rank = refs.pop(ref)
                 role = role_of(rank, tw)
+                for row in queues["driver"].drain():  # rows published before a failure are kept
+                    sink.write(row)
                 try:
                     res: HostResult = ray.get(ref)
                 except ray.exceptions.RayActorError as e:

@@ -218,9 +218,6 @@ class TrainerWorker:
                     pending_eval = None
                 if evals_every and step % evals_every == 0 and step < total and pending_eval is None:
                     pending_eval = (step, self.launch_eval(step), step)
-            if self.ckpt is not None and cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0:
-                self.ckpt.save(step, tr.params, tr.opt_state, {**tr.state_dict(), "position": self._consumed(),
-                                                               "dropped": self.dropped})
             if step == total:
                 self.stop.set()  # no more train prompts: inference capacity goes to the final eval
             if self.rank == 0:
@@ -232,6 +229,11 @@ class TrainerWorker:
                 if self.gauges is not None:
                     self.gauges.set(row)
                 self.q["driver"].put(row)
+            # After the metrics row: a checkpoint must never exist for a step whose row was not yet published
+            # (a resume would then skip that row); the reverse is harmless (the driver drops rows past it).
+            if self.ckpt is not None and cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0:
+                self.ckpt.save(step, tr.params, tr.opt_state, {**tr.state_dict(), "position": self._consumed(),
+                                                               "dropped": self.dropped})
             last_row = row
         self.stop.set()
         if cfg.checkpoint.export_hf:
