@@ -1,6 +1,6 @@
 """End to end through `python launch.py`: 3 simulated hosts (1 trainer, 2 inference), max_lag=1.
 
-One device per simulated host: with 2+ fake devices per host and 3+ processes the CPU cross-host transfer
+One device per simulated host: with 2+ fake devices per host the CPU cross-host transfer
 path hangs in our tests (see asyncrl/weightsync/transfer.py); multi-replica hosts are covered by the engine
 tests (tests/test_inference_engine.py) instead."""
 
