@@ -9,6 +9,9 @@ more leaves, the more sends overlap. This is the blog's `RDMATransferServer`; on
 the DCN transfer path (needs `jax_cross_host_transfer_socket_address`, see `enable_cpu_transfers`).
 
 All processes must call `transfer` together (it is a collective), like any multi-host JAX computation.
+
+Known limitation (CPU only): with 2+ fake devices per process the CPU transfer path hangs in our multi-process
+tests (tests/test_weight_sync.py runs 1 device per process); TPU hosts have not been tried here.
 """
 
 from __future__ import annotations
