@@ -17,8 +17,8 @@ The machine is shared (2 cores): only ratios within one run mean much.
     PYTHONPATH=. .venv/bin/python benchmarks/weight_sync.py [--models tiny smollm2-135m] [--repeats 3]
         [--timeout 600]
 
-Writes benchmarks/results/weight_sync.json. Progress goes to stderr. Each process has one device: multi-device
-hosts currently hang on the CPU transfer path.
+Writes benchmarks/results/weight_sync.json. Progress goes to stderr. Each process has one device (the simplest
+hop; multi-device hosts are covered by tests/test_weight_sync.py).
 """
 
 from __future__ import annotations

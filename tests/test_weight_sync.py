@@ -35,7 +35,7 @@ def _run(n: int, tw: int, ndev: int = 2) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,tw,ndev", [(3, 1, 1), (4, 2, 1), (4, 1, 1)])
+@pytest.mark.parametrize("n,tw,ndev", [(3, 1, 1), (4, 2, 1), (4, 1, 1), (3, 1, 2), (4, 2, 2)])
 def test_hop_chain_bit_exact(n, tw, ndev):
     results = _run(n, tw, ndev)
     assert len(results) == 2 * n, results
@@ -44,6 +44,8 @@ def test_hop_chain_bit_exact(n, tw, ndev):
     assert {r.split()[2] for r in results} == {f"slot={s}" for s in range(n // tw)}
 
 
-def test_hop_chain_two_processes_quick():
-    results = _run(2, 1, ndev=1)
+@pytest.mark.parametrize("ndev", [1, 2])
+def test_hop_chain_two_processes_quick(ndev):
+    """ndev=2: every slot is a 2-device mesh, so each replicated leaf moves as 2 shards per hop."""
+    results = _run(2, 1, ndev=ndev)
     assert len(results) == 4 and all("ok=True" in r for r in results), results

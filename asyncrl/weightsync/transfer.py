@@ -10,8 +10,11 @@ the DCN transfer path (needs `jax_cross_host_transfer_socket_address`, see `enab
 
 All processes must call `transfer` together (it is a collective), like any multi-host JAX computation.
 
-Known limitation (CPU only): with 2+ fake devices per process the CPU transfer path hangs in our multi-process
-tests (tests/test_weight_sync.py runs 1 device per process); TPU hosts have not been tried here.
+The barriers around the hops use the jax.distributed coordination service, not a device collective
+(`multihost_utils.sync_global_devices`): on the CPU backend with 2+ devices per process, a gloo all-gather
+issued while a sender's device_puts are still in flight deadlocks (the sender returns from `device_put` at once,
+enters the collective, and its gloo context setup times out). The key-value barrier has no such interaction, and
+is cheaper: no compilation, no device work.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax._src import distributed
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 
@@ -37,6 +40,17 @@ def enable_cpu_transfers(host: str = "127.0.0.1") -> None:
     """CPU backends refuse cross-host device_put unless each process names a socket for it (FACTS.md).
     Must run before the first transfer."""
     jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{free_port()}")
+
+
+def barrier(name: str, timeout_s: float = 600.0) -> None:
+    """Every process waits at `name` (unique per use) via the coordination service. There is no public API for
+    this; orbax's `multihost.sync_global_processes` uses the same client call."""
+    client = distributed.global_state.client
+    if client is None:
+        if jax.process_count() == 1:
+            return
+        raise RuntimeError("jax.distributed is not initialized; the hop chain needs it")
+    client.wait_at_barrier(name, int(timeout_s * 1000))
 
 
 def _slot_mesh(devices: np.ndarray) -> Mesh:
@@ -75,7 +89,7 @@ class HopChainTransfer:
         ShapeDtypeStruct tree). Returns (this slot's materialized tree, timings)."""
         t0 = time.perf_counter()
         tag = f"weight_sync_{self.transfers}"
-        multihost_utils.sync_global_devices(tag + "_start")
+        barrier(tag + "_start")
         t1 = time.perf_counter()
         if shapes is None:
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
@@ -92,7 +106,7 @@ class HopChainTransfer:
                 out = jax.block_until_ready(moved) if i + 2 < self.n_slots else moved
         out = jax.block_until_ready(out)
         t2 = time.perf_counter()
-        multihost_utils.sync_global_devices(tag + "_end")
+        barrier(tag + "_end")
         self.transfers += 1
         nbytes = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
         return out, {"weight_sync_s": time.perf_counter() - t0, "weight_sync_barrier_s": t1 - t0,
