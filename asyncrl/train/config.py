@@ -81,11 +81,19 @@ class TrainConfig:
     """Global-norm gradient clipping threshold (0 disables)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk in the fused LM-head logprob scan (bounds the [chunk, V] temporary)."""
+    remat: bool = False
+    """Recompute each layer's activations in the backward pass (activation checkpointing): memory for one
+    layer's activations instead of all of them, for ~1/3 more compute. Needed for long sequences and big models."""
     pad_to_multiple: int = 16
     """Train sequences are padded to a multiple of this (bounded set of compiled shapes)."""
     format_warmstart_steps: int = 0
     """Before RL, this many SFT steps on prompts paired with *shuffled* gold answers: teaches the answer format
-    and stopping, not the task (see asyncrl/train/warmstart.py). For models trained from scratch; cached."""
+    and stopping, not the task (see asyncrl/train/warmstart.py). For models trained from scratch, or a small
+    instruct model that ignores the format; cached."""
+    format_warmstart_lr: float = 3e-3
+    """Adam learning rate of the warm-start (3e-3 suits a random-init tiny model; ~1e-5 a pretrained one)."""
+    format_warmstart_batch: int = 64
+    """Sequences per warm-start step."""
 
     def __post_init__(self) -> None:
         check("train.total_steps", self.total_steps, self.total_steps >= 1, ">= 1")
@@ -103,3 +111,5 @@ class TrainConfig:
         check("train.logprob_chunk_size", self.logprob_chunk_size, self.logprob_chunk_size >= 1, ">= 1")
         check("train.pad_to_multiple", self.pad_to_multiple, self.pad_to_multiple >= 1, ">= 1")
         check("train.format_warmstart_steps", self.format_warmstart_steps, self.format_warmstart_steps >= 0, ">= 0")
+        check("train.format_warmstart_lr", self.format_warmstart_lr, self.format_warmstart_lr > 0, "> 0")
+        check("train.format_warmstart_batch", self.format_warmstart_batch, self.format_warmstart_batch >= 1, ">= 1")

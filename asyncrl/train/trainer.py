@@ -45,7 +45,7 @@ class Trainer:
         if jax.process_index() not in self.hosts:
             raise ValueError(f"process {jax.process_index()} owns none of the trainer mesh's devices "
                              f"(trainer processes: {self.hosts})")
-        self.model = model.with_rules(train_rules(sharding_cfg))
+        self.model = model.with_rules(train_rules(sharding_cfg)).with_remat(train_cfg.remat)
         self.tx = make_optimizer(train_cfg, model.cfg)
         self.schedule = lr_schedule(train_cfg)
         self.params_abstract = params_lib.shapes(model.cfg, MASTER_DTYPE)
