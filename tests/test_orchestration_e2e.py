@@ -1,8 +1,5 @@
-"""End to end through `python launch.py`: 3 simulated hosts (1 trainer, 2 inference), max_lag=1.
-
-One device per simulated host: with 2+ fake devices per host the CPU cross-host transfer
-path hangs in our tests (see asyncrl/weightsync/transfer.py); multi-replica hosts are covered by the engine
-tests (tests/test_inference_engine.py) instead."""
+"""End to end through `python launch.py`: 3 simulated hosts of 2 fake devices each (1 trainer with a 2-device
+FSDP mesh, 2 inference workers with 2 replicas each), max_lag=1, weight sync every step."""
 
 import json
 import os
@@ -41,8 +38,9 @@ TINY = ["train.total_steps=6", "train.format_warmstart_steps=0", "inference.max_
 def test_end_to_end_three_hosts(tmp_path):
     before = _ray_pids()
     run_dir = str(tmp_path / "run")
-    res = launch(run_dir, *TINY, "run.hosts=3", "run.devices_per_host=1", "async.train_workers=1", "async.max_lag=1",
-                 "eval.every_n_steps=3", "checkpoint.every_n_steps=0", "checkpoint.resume=false")
+    res = launch(run_dir, *TINY, "run.hosts=3", "run.devices_per_host=2", "inference.tp=1", "async.train_workers=1",
+                 "async.max_lag=1", "eval.every_n_steps=3", "checkpoint.every_n_steps=0", "checkpoint.resume=false",
+                 "logging.rollouts_every_n_steps=1")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     r = rows(run_dir)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
@@ -54,6 +52,19 @@ def test_end_to_end_three_hosts(tmp_path):
     versions = [x["inference/version"] for x in r if "inference/version" in x]
     assert versions and max(versions) > min(versions)  # the inference side saw the version rise
     assert any("inference/decode_tokens_per_s" in x for x in r)
+    # Both inference hosts served with both of their replicas.
+    with open(os.path.join(run_dir, "rollouts.jsonl")) as f:
+        logged = [json.loads(x) for x in f]
+    assert sorted({g["step"] for g in logged}) == [1, 2, 3, 4, 5, 6]
+    assert len({g["worker"] for g in logged}) == 4, {g["worker"] for g in logged}
+    # In-flight updates: a sync landed while rows were being generated, so some trained completions carry two
+    # weight versions, the later one no newer than the trainer's, and generation went on past the boundary.
+    updated = [(g, c) for g in logged for c in g["completions"] if len(c["versions"]) > 1]
+    assert updated and sum(x["rollout/in_flight_updated"] for x in r) == len(updated)
+    for g, c in updated:
+        starts, versions = zip(*c["versions"])
+        assert 0 == starts[0] < starts[1] < c["n_tokens"] and list(versions) == sorted(set(versions))
+        assert versions[-1] <= g["trainer_version"] and g["trainer_version"] - versions[0] <= 1
     evals = [x for x in r if "eval/reward_mean" in x]
     assert evals and all("eval/pass@1" in x and "eval/pass@2" in x for x in evals)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(run_dir, "tb")))

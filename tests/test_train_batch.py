@@ -156,6 +156,9 @@ def test_collect_filters_stale_and_zero_variance_groups():
     assert m["rollout/reward_mean"] == pytest.approx(2 / 6)
     lens = [len(c.tokens) for r in kept for c in r.completions]
     assert m["rollout/completion_len_mean"] == pytest.approx(np.mean(lens))
+    # uid 4's completions (oldest 8, newest 10) changed version mid-completion when they have 2+ tokens.
+    assert m["rollout/in_flight_updated"] == sum(len(c.tokens) > 1 for c in kept[1].completions)
+    assert m["rollout/in_flight_updated"] > 0
 
 
 def test_collect_keeps_zero_variance_groups_unless_asked():

@@ -71,9 +71,13 @@ class LoggingConfig:
     """Export metrics as Ray Gauges (visible in the Ray dashboard)."""
     progress: bool = True
     """Show a live progress line on the driver."""
+    rollouts_every_n_steps: int = 0
+    """Every this many steps, append the step's trained rollouts (text, reward, reason, per-token weight versions
+    run-length encoded) to run_dir/rollouts.jsonl. 0 disables."""
 
     def __post_init__(self) -> None:
         check_choice("logging.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+        check("logging.rollouts_every_n_steps", self.rollouts_every_n_steps, self.rollouts_every_n_steps >= 0, ">= 0")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ collector drops any group older than max_lag anyway. With max_lag=0 this is exac
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -101,10 +102,27 @@ class TrainerWorker:
         params = cached_format_warmstart(
             model, self.trainer.params_for_inference(jnp.float32), load_tokenizer(cfg.model, self.run_dir),
             build_task(cfg.task), cfg.task, cfg.train.format_warmstart_steps, cache_dir(), cfg.run.seed,
-            chat=cfg.task.prompt_template == "chat")
+            chat=cfg.task.prompt_template == "chat", lr=cfg.train.format_warmstart_lr,
+            batch=cfg.train.format_warmstart_batch, source=repr(cfg.model))
         rng = self.trainer.rng
         self.trainer.load(params)
         self.trainer.rng = rng
+
+    def _log_rollouts(self, step: int, version: int, rollouts: list) -> None:
+        """One JSON line per trained group. Each trainer host writes its own share of the batch to its own file
+        (rollouts.jsonl, rollouts.rank1.jsonl, ...), so nothing is gathered over the network for logging."""
+        name = "rollouts.jsonl" if self.rank == 0 else f"rollouts.rank{self.rank}.jsonl"
+        with open(os.path.join(self.run_dir, name), "a") as f:
+            for r in rollouts:
+                f.write(json.dumps({
+                    "step": step, "trainer_version": version, "id": r.sample[2].id, "position": r.sample[0],
+                    "worker": r.worker,
+                    "completions": [{
+                        "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
+                        "n_tokens": int(len(c.tokens)),
+                        # [[first token index, version], ...]: one entry per run of equal versions
+                        "versions": [[0, c.start_version], *map(list, c.version_boundaries)] if len(c.tokens) else [],
+                    } for c in r.completions]}) + "\n")
 
     # ---- weight sync ----------------------------------------------------------------------------------------
 
@@ -168,10 +186,20 @@ class TrainerWorker:
                 continue
             if r.sample[1] == round_:
                 groups.append(r)
+        groups.sort(key=lambda g: g.sample[0])  # eval-set order
+        # Every eval sample, for inspection and for paired comparisons of two evals (same prompts, same order).
+        with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
+            for g in groups:
+                f.write(json.dumps({"round": round_, "version": g.oldest_version, "id": g.sample[2].id,
+                                    "answer": g.sample[2].answer,
+                                    "completions": [{"text": c.text, "reward": c.reward, "reason": c.reason}
+                                                    for c in g.completions]}) + "\n")
         stats = summarize_rewards([list(g.rewards) for g in groups])
         out = {f"eval/{k}": float(v) for k, v in stats.items()}
         out["eval/reward_mean"] = float(np.mean([g.rewards.mean() for g in groups]))
         out["eval/version"] = float(min(g.oldest_version for g in groups))
+        out["eval/prompts"] = float(len(groups))
+        out["eval/samples"] = float(sum(len(g.completions) for g in groups))
         return out
 
     # ---- main loop ------------------------------------------------------------------------------------------
@@ -203,6 +231,9 @@ class TrainerWorker:
                 raise self.feed_error
             rollouts.sort(key=lambda r: r.sample[0])  # by data position: same batch order whatever arrived first
             batch = build_batch(rollouts, tr.version, cfg.loss, cfg.train.pad_to_multiple)
+            every = cfg.logging.rollouts_every_n_steps
+            if every and step % every == 0:
+                self._log_rollouts(step, tr.version, rollouts)
             metrics = tr.step(batch, host_m)
             self.dropped += int(metrics.get("rollout/filtered_lag", 0) + metrics.get("rollout/filtered_zero_variance", 0))
             sync_m = self.sync_weights()

@@ -177,6 +177,8 @@ def collect_rollouts(
         "rollout/filtered_zero_variance": float(filtered["zero_variance"]),
         "rollout/reward_mean": float(np.mean(rewards)),
         "rollout/completion_len_mean": float(np.mean(lengths)),
+        # Completions that a weight update reached mid-generation (their tokens carry two or more versions).
+        "rollout/in_flight_updated": float(sum(bool(c.version_boundaries) for r in kept for c in r.completions)),
     }
     return kept, metrics
 
