@@ -49,6 +49,10 @@ def test_other_answer_formats_in_order():
     # The first format that matches wins, so a boxed answer beats an Answer: line.
     assert extract_answer("\\boxed{2}\nAnswer: 3", ("boxed", "answer_line")) == "2"
     assert extract_answer("Answer: 3", ("boxed",)) is None
+    assert extract_answer("So the final answer is $-3$. I hope it is correct.", ("final_answer",)) == "-3"
+    assert extract_answer("The final answer is: 3.5\nok", ("final_answer",)) == "3.5"
+    assert extract_answer("final answer is 2. No wait, the final answer is 4.", ("final_answer",)) == "4"
+    assert extract_answer("The answer is 4.", ("final_answer",)) is None
     with pytest.raises(ValueError, match="unknown"):
         extract_answer("x", ("nope",))
 

@@ -90,6 +90,11 @@ class Task(abc.ABC):
     def score(self, completion: str, sample: Sample) -> Score:
         """Grade `completion` (the text the model generated, without the prompt) against `sample`."""
 
+    def render_answer(self, answer: str, sample: Sample) -> str:
+        """`answer` written the way a completion for `sample` should state it (e.g. `\\boxed{answer}`): the
+        target text of the format warm-start. The default is the bare answer."""
+        return answer
+
     def warmup(self) -> None:
         """Pay one-time import/compile costs (a verifier worker calls this before taking work)."""
 

@@ -10,9 +10,10 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-ANSWER_FORMATS = ("boxed", "answer_tag", "answer_line", "gsm8k")
+ANSWER_FORMATS = ("boxed", "answer_tag", "answer_line", "gsm8k", "final_answer")
 """boxed: last `\\boxed{..}`/`\\fbox{..}`; answer_tag: last `<answer>..</answer>`; answer_line: last
-`Answer: ..` line (DAPO's format); gsm8k: text after the last `####`."""
+`Answer: ..` line (DAPO's format); gsm8k: text after the last `####`; final_answer: the last "the final answer
+is X" up to the end of its sentence (Minerva's format, and what small instruct models say when they skip the box)."""
 
 _THINK_CLOSE = "</think>"
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -20,6 +21,9 @@ _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE_TOKEN = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
 # Greedy `(.*)` then strip in Python: a lazy group followed by `[ \t]*$` is quadratic on long runs of spaces.
 _ANSWER_LINE = re.compile(r"^[ \t*#]*answer[ \t*]*:(.*)$", re.IGNORECASE | re.MULTILINE)
+# Only the phrase: the answer is the rest of its line, cut at the sentence end (". ") in Python, so that a
+# later phrase on the same line is still found and the scan stays linear.
+_FINAL_ANSWER = re.compile(r"final answer is\b", re.IGNORECASE)
 
 
 def strip_thinking(text: str) -> str:
@@ -68,6 +72,18 @@ def _answer_line(text: str) -> str | None:
     return last.group(1) if last is not None else None
 
 
+def _final_answer(text: str) -> str | None:
+    last = None
+    for last in _FINAL_ANSWER.finditer(text):
+        pass
+    if last is None:
+        return None
+    end = text.find("\n", last.end())
+    sentence = text[last.end():end if end >= 0 else len(text)].lstrip(" \t:")
+    cut = sentence.find(". ")
+    return sentence[:cut] if cut >= 0 else sentence
+
+
 def _gsm8k(text: str) -> str | None:
     cut = text.rfind("####")
     if cut < 0:
@@ -75,7 +91,8 @@ def _gsm8k(text: str) -> str | None:
     return text[cut + 4:].lstrip().split("\n", 1)[0]
 
 
-_EXTRACTORS = {"boxed": last_boxed, "answer_tag": _answer_tag, "answer_line": _answer_line, "gsm8k": _gsm8k}
+_EXTRACTORS = {"boxed": last_boxed, "answer_tag": _answer_tag, "answer_line": _answer_line, "gsm8k": _gsm8k,
+               "final_answer": _final_answer}
 
 
 def _drop_period(answer: str) -> str:
@@ -90,6 +107,17 @@ def clean_answer(answer: str) -> str:
     if 0 < k and 2 * k <= len(answer) and "$" not in answer[k:len(answer) - k]:
         answer = _drop_period(answer[k:len(answer) - k].strip())
     return answer
+
+
+_RENDER = {"boxed": "\\boxed{{{}}}", "answer_tag": "<answer>{}</answer>", "answer_line": "Answer: {}",
+           "gsm8k": "#### {}", "final_answer": "The final answer is {}."}
+
+
+def render_answer(answer: str, fmt: str) -> str:
+    """`answer` stated in format `fmt`, so that `extract_answer(render_answer(a, f), (f,)) == a`."""
+    if fmt not in _RENDER:
+        raise ValueError(f"answer format {fmt!r} is unknown; allowed: {list(ANSWER_FORMATS)}")
+    return _RENDER[fmt].format(answer)
 
 
 def extract_answer(completion: str, formats: Sequence[str] = ("boxed",)) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 from asyncrl.config.validate import ConfigError, check_choice
 from asyncrl.tasks.base import Sample, Score, Task, check_split, register_task
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
-from asyncrl.tasks.extract import ANSWER_FORMATS, extract_answer
+from asyncrl.tasks.extract import ANSWER_FORMATS, extract_answer, render_answer
 from asyncrl.tasks.prompts import PromptFormat
 
 _ARITHMETIC_ONLY = re.compile(r"[0-9+\-*/() ]{1,200}")
@@ -111,6 +111,9 @@ class GymTask(Task):
         reward = float(self._scorer.score_answer(answer, sample.metadata["entry"]))
         reward = min(1.0, max(0.0, reward)) if math.isfinite(reward) else 0.0
         return Score(reward, "correct" if reward >= 1.0 else "wrong", answer[:200])
+
+    def render_answer(self, answer: str, sample: Sample) -> str:
+        return render_answer(answer, self.formats[0])
 
     def warmup(self) -> None:
         self._scorer = self._make(0, 1)

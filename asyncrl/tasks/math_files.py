@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping
 from asyncrl.config.validate import ConfigError, check, check_choice
 from asyncrl.tasks.base import Sample, Score, Task, check_split, register_task, stable_hash, stable_unit
 from asyncrl.tasks.config import MATH_FILE_SCHEMAS, TaskConfig, TaskSourceConfig
-from asyncrl.tasks.extract import ANSWER_FORMATS, AnswerLimits
+from asyncrl.tasks.extract import ANSWER_FORMATS, AnswerLimits, render_answer
 from asyncrl.tasks.grading import grade, warmup_math
 from asyncrl.tasks.prompts import PromptFormat
 
@@ -453,6 +453,9 @@ class MathFileTask(Task):
 
     def score(self, completion: str, sample: Sample) -> Score:
         return grade(completion, sample.answer, self.mode, self.formats, self.limits)
+
+    def render_answer(self, answer: str, sample: Sample) -> str:
+        return render_answer(answer, self.formats[0])
 
     def warmup(self) -> None:
         warmup_math()

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import shutil
 from typing import Any
 
 import jax
@@ -35,7 +36,8 @@ def _examples(task: Any, tokenizer: Any, n: int, seed: int, chat: bool) -> list[
     answers = [rng.choice(distinct) for _ in samples]
     out = []
     for s, a in zip(samples, answers):
-        out.append((tokenizer.encode_prompt(s.prompt, chat=chat), tokenizer.encode(a) + [tokenizer.eos_id]))
+        target = task.render_answer(a, s)  # e.g. \boxed{a}: the format the task's scorer extracts
+        out.append((tokenizer.encode_prompt(s.prompt, chat=chat), tokenizer.encode(target) + [tokenizer.eos_id]))
     return out
 
 
@@ -66,26 +68,34 @@ def format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, steps: 
         return optax.apply_updates(params, upd), opt, loss
 
     rng = np.random.default_rng(seed)
-    loss = float("nan")
+    loss, done = float("nan"), 0
     for _ in range(steps):
         idx = rng.choice(len(examples), size=batch, replace=False)
         params, opt, loss = step(params, opt, toks[idx], mask[idx], lens[idx])
-    log.info("format warm-start: %d steps, final loss %.3f", steps, float(loss))
+        done += 1
+        if done == 1 or done % 10 == 0 or done == steps:
+            log.info("format warm-start: step %d/%d, loss %.3f", done, steps, float(loss))
     return params
 
 
 def cached_format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, task_cfg: Any, steps: int,
-                            cache_root: str, seed: int, chat: bool = False) -> Any:
+                            cache_root: str, seed: int, chat: bool = False, lr: float = 3e-3, batch: int = 64,
+                            source: str = "") -> Any:
+    """`source` names where the starting params came from (the model section: path, source, dtype); with the
+    model config, the run seed and the warm-start settings it keys the cache."""
     from asyncrl.models import from_pretrained, save_pretrained
 
-    key = json.dumps({"v": 2, "model": repr(model.cfg), "task": repr(task_cfg), "steps": steps, "seed": seed, "chat": chat,
-                      "vocab": tokenizer.vocab_size}, sort_keys=True)
+    key = json.dumps({"v": 3, "model": repr(model.cfg), "source": source, "task": repr(task_cfg), "steps": steps,
+                      "seed": seed, "chat": chat, "vocab": tokenizer.vocab_size, "lr": lr, "batch": batch}, sort_keys=True)
     folder = os.path.join(cache_root, "warmstart-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         log.info("format warm-start: cached at %s", folder)
         return from_pretrained(folder)[1]
-    out = format_warmstart(model, params, tokenizer, task, steps, seed=seed, chat=chat)
+    out = format_warmstart(model, params, tokenizer, task, steps, lr=lr, batch=batch, seed=seed, chat=chat)
     tmp = folder + f".tmp{os.getpid()}"
     save_pretrained(model, out, tmp)
-    os.replace(tmp, folder) if not os.path.exists(folder) else None
+    if os.path.exists(folder):  # another process finished first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, folder)
     return out
