@@ -125,6 +125,18 @@ def test_every_yaml_preset_loads():
         load_config("default", ["model=hf"])
 
 
+def test_smollm2_preset_loads_and_its_task_reads_both_answer_formats():
+    from asyncrl.tasks import build_task
+
+    cfg = load_config("smollm2_arithmetic")
+    assert cfg.model.source == "smollm2" and cfg.train.remat and cfg.inference.temperature == 0.7
+    task = build_task(cfg.task)
+    sample = next(task.samples("eval", cfg.task.seed))
+    assert task.score(f"so \\boxed{{{sample.answer}}}", sample).reason == "correct"
+    assert task.score(f"The final answer is {sample.answer}.", sample).reason == "correct"
+    assert task.score(f"It is {sample.answer}.", sample).reason == "no_answer"
+
+
 def test_model_config_validation():
     from asyncrl.models.config import ModelConfig
 
