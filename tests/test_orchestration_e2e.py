@@ -40,7 +40,10 @@ def test_end_to_end_three_hosts(tmp_path):
     run_dir = str(tmp_path / "run")
     res = launch(run_dir, *TINY, "run.hosts=3", "run.devices_per_host=2", "inference.tp=1", "async.train_workers=1",
                  "async.max_lag=1", "eval.every_n_steps=3", "checkpoint.every_n_steps=0", "checkpoint.resume=false",
-                 "logging.rollouts_every_n_steps=1")
+                 "logging.rollouts_every_n_steps=1",
+                 # Long random-init completions make decode the bottleneck, so rows are still being generated
+                 # when each sync lands (with 24 tokens they often finished first and no update was in flight).
+                 "inference.max_seq_len=96")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     r = rows(run_dir)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]

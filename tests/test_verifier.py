@@ -53,6 +53,7 @@ def test_other_answer_formats_in_order():
     assert extract_answer("The final answer is: 3.5\nok", ("final_answer",)) == "3.5"
     assert extract_answer("final answer is 2. No wait, the final answer is 4.", ("final_answer",)) == "4"
     assert extract_answer("The answer is 4.", ("final_answer",)) is None
+    assert extract_answer("The final answer is $\\boxed{5}$. I hope", ("final_answer",)) == "5"
     with pytest.raises(ValueError, match="unknown"):
         extract_answer("x", ("nope",))
 

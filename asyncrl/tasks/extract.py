@@ -81,7 +81,9 @@ def _final_answer(text: str) -> str | None:
     end = text.find("\n", last.end())
     sentence = text[last.end():end if end >= 0 else len(text)].lstrip(" \t:")
     cut = sentence.find(". ")
-    return sentence[:cut] if cut >= 0 else sentence
+    sentence = sentence[:cut] if cut >= 0 else sentence
+    boxed = last_boxed(sentence)  # "The final answer is $\\boxed{5}$."
+    return boxed if boxed is not None else sentence
 
 
 def _gsm8k(text: str) -> str | None:

@@ -88,7 +88,7 @@ def cached_format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, 
     key = json.dumps({"v": 3, "model": repr(model.cfg), "source": source, "task": repr(task_cfg), "steps": steps,
                       "seed": seed, "chat": chat, "vocab": tokenizer.vocab_size, "lr": lr, "batch": batch}, sort_keys=True)
     folder = os.path.join(cache_root, "warmstart-" + hashlib.sha256(key.encode()).hexdigest()[:16])
-    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+    if os.path.isdir(folder):  # only ever created whole, by the os.replace below
         log.info("format warm-start: cached at %s", folder)
         return from_pretrained(folder)[1]
     out = format_warmstart(model, params, tokenizer, task, steps, lr=lr, batch=batch, seed=seed, chat=chat)
