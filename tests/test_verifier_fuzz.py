@@ -31,7 +31,7 @@ LATEX_TOKENS = [r"\frac{", "}{", "}", "{", "^", "_", r"\sqrt{", "+", "-", r"\cdo
 
 
 def _wrap(body: str, rng: random.Random) -> str:
-    style = rng.randrange(5)
+    style = rng.randrange(6)
     if style == 0:
         return rf"Let me think. \boxed{{{body}}}"
     if style == 1:
@@ -40,6 +40,8 @@ def _wrap(body: str, rng: random.Random) -> str:
         return f"work...\n#### {body}"
     if style == 3:
         return f"<answer>{body}</answer>"
+    if style == 4:
+        return f"So the final answer is {body}. I hope it is correct."
     return rf"\fbox{{{body}}}"
 
 
@@ -60,6 +62,7 @@ def hostile_corpus(n: int, marker: str, seed: int = 0) -> list[str]:
     out += [
         "a" * MB, "{" * MB, r"\boxed{" + "1" * MB + "}", "$" * MB, "Answer: " + " " * MB + "x", r"\boxed{" * (MB // 8),
         "#### " + "9" * MB, "<answer>" + "(" * MB + "</answer>", "</think>" * (MB // 8), "Answer:" + "\n" * MB,
+        "final answer is " * (MB // 16), "The final answer is " + " " * MB + "x", "final answer is: " + ". " * MB,
     ]
     for _ in range(per * 2):  # invalid UTF-8 decoded the two ways a sampler might
         raw = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
