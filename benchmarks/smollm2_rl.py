@@ -60,12 +60,11 @@ def reason_shares(groups: dict[str, dict]) -> dict[str, float]:
     return {r: reasons.count(r) / len(reasons) for r in sorted(set(reasons))}
 
 
-def diff_interval(run_dir: str, round_before: int, round_after: int, resamples: int = 10_000) -> tuple[float, float]:
-    """95% paired-bootstrap interval of (after - before) mean reward: prompts are resampled with replacement,
-    each keeping its own before/after pair, so prompt difficulty cancels out."""
-    per_round = {r: {i: float(np.mean([c["reward"] for c in g["completions"]])) for i, g in gs.items()}
-                 for r, gs in eval_groups(run_dir).items()}
-    a, b = per_round.get(round_before, {}), per_round.get(round_after, {})
+def diff_interval(before: dict[str, dict], after: dict[str, dict], resamples: int = 10_000) -> tuple[float, float]:
+    """95% paired-bootstrap interval of (after - before) mean reward over two evals' groups (prompt id -> group):
+    prompts are resampled with replacement, each keeping its own before/after pair, so prompt difficulty cancels."""
+    a, b = ({i: float(np.mean([c["reward"] for c in g["completions"]])) for i, g in gs.items()}
+            for gs in (before, after))
     ids = sorted(set(a) & set(b))
     if not ids:
         return float("nan"), float("nan")
@@ -109,8 +108,8 @@ def main(argv: list[str]) -> int:
         print(f"need a step-0 eval and a later one; found evals at {[e['at_step'] for e in ev]}", file=sys.stderr)
         return 1
     before, after = ev[0], ev[-1]
-    lo, hi = diff_interval(args.run_dir, before["at_step"], after["at_step"])
     groups = eval_groups(args.run_dir)
+    lo, hi = diff_interval(groups.get(before["at_step"], {}), groups.get(after["at_step"], {}))
     reasons_before, reasons_after = reason_shares(groups[before["at_step"]]), reason_shares(groups[after["at_step"]])
     answered = {k: v.get("correct", 0.0) / max(1e-9, 1.0 - v.get("no_answer", 0.0))
                 for k, v in (("before", reasons_before), ("after", reasons_after))}
