@@ -228,7 +228,6 @@ def run(args: argparse.Namespace) -> int:
         bar = tqdm(total=len(prompts), desc=f"eval {args.task}", unit="prompt", file=sys.stderr)
         requests = [Request(p.tokens, args.n, payload=i, is_eval=True) for i, p in enumerate(prompts)]
         rollouts = replicas.generate(requests, on_group=lambda _: bar.update(1))
-        bar.update(len(rollouts) - bar.n)  # settle the count whether or not on_group was called per group
         bar.close()
         items = [(c.text, prompts[ro.sample].sample) for ro in rollouts for c in ro.completions]
         print(f"grading {len(items)} completions", file=sys.stderr)

@@ -24,6 +24,7 @@ from asyncrl.models.config import ModelConfig
 from asyncrl.models.params import ParamSpec, Params
 from asyncrl.models.safetensors_io import SafetensorsFile, save_file
 from asyncrl.models.transformer import Model
+from asyncrl.sharding.host import to_host
 from asyncrl.sharding.rules import ShardingRules
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ def save_pretrained(
     tensors: dict[str, np.ndarray] = {}
     for e, _spec in _active_entries(cfg):
         leaf = _get_leaf(params, e.leaf)
-        arr = _to_host(leaf)
+        arr = to_host(leaf)
         if dtype is not None:
             arr = arr.astype(np.dtype(jnp.dtype(dtype)))
         if _stacked(e):
@@ -256,12 +257,3 @@ def save_pretrained(
                 shutil.copy(os.path.join(copy_files_from, fname), os.path.join(path, fname))
 
 
-def _to_host(x: Any) -> np.ndarray:
-    """Whole array on this host. A multi-host array is replicated over *its own* mesh only: a job-wide
-    allgather would wait for processes (inference hosts) that never call this."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    full = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
-    return np.asarray(full.addressable_data(0))

@@ -24,6 +24,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.models.params import Params
+from asyncrl.sharding.host import to_host
 from asyncrl.sharding.rules import ShardingRules, fsdp_rules
 from asyncrl.train.config import MeshConfig, ShardingConfig
 
@@ -68,8 +69,7 @@ def host_allgather(values: np.ndarray, mesh: Mesh) -> np.ndarray:
     spread = NamedSharding(mesh, P(MESH_AXES, None))  # row i lives on device flat[i]
     rows = jax.make_array_from_process_local_data(spread, np.repeat(values, n_local, axis=0),
                                                   (len(flat), values.shape[1]))
-    rows = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))(rows)
-    rows = np.asarray(rows.addressable_data(0))  # [n_devices, k], each host's row repeated per device
+    rows = to_host(rows)  # [n_devices, k], each host's row repeated per device
     first: dict[int, int] = {}
     for i, d in enumerate(flat):
         first.setdefault(d.process_index, i)

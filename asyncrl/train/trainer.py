@@ -60,6 +60,7 @@ class Trainer:
                                         train_cfg.grad_accum_steps, temperature, train_cfg.logprob_chunk_size)
         self.params: Params | None = None
         self.opt_state: Any = None
+        self._cast_fns: dict[Any, Any] = {}
         self.step_count = 0
         self.version = 0
         self.rng: jax.Array | None = None
@@ -79,8 +80,7 @@ class Trainer:
         """Start from given weights (any dtype/placement): cast to fp32 and moved onto the trainer shardings."""
         placed = jax.device_put(params, self.shardings.params)  # from numpy, another mesh or another dtype
         with jax.set_mesh(self.mesh):
-            self.params = jax.jit(lambda p: params_lib.cast(p, MASTER_DTYPE), out_shardings=self.shardings.params)(
-                placed)
+            self.params = self._cast_fn(MASTER_DTYPE)(placed)
         if self.rng is None:
             self.rng = jax.random.key(0)
         self._init_opt_state()
@@ -117,7 +117,15 @@ class Trainer:
         """A cast copy of the current params (same shardings); the master copy is untouched."""
         self._require_params()
         with jax.set_mesh(self.mesh):
-            return jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.shardings.params)(self.params)
+            return self._cast_fn(dtype)(self.params)
+
+    def _cast_fn(self, dtype: Any) -> Any:
+        """One jitted cast per dtype, kept: a fresh `jax.jit(lambda ..)` per call would retrace and recompile on
+        every weight sync."""
+        dtype = jnp.dtype(dtype)
+        if dtype not in self._cast_fns:
+            self._cast_fns[dtype] = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.shardings.params)
+        return self._cast_fns[dtype]
 
     # ---- training -------------------------------------------------------------------------------------------
 
@@ -137,7 +145,9 @@ class Trainer:
             self.params, self.opt_state, metrics = self._step_fn(
                 self.params, self.opt_state, global_batch, jnp.asarray(self.step_count, jnp.int32))
         # Replicated scalars: this host's copy is the global value (a multi-host array is not fully addressable).
-        out = {f"train/{k}": float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
+        # One device-to-host transfer for all of them.
+        host = jax.device_get({k: v.addressable_data(0) for k, v in metrics.items()})
+        out = {f"train/{k}": float(v) for k, v in host.items()}
         self.step_count += 1
         self.version += 1
         out["train/step_time_s"] = time.perf_counter() - t0

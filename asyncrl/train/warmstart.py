@@ -68,11 +68,9 @@ def format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, steps: 
         return optax.apply_updates(params, upd), opt, loss
 
     rng = np.random.default_rng(seed)
-    loss, done = float("nan"), 0
-    for _ in range(steps):
+    for done in range(1, steps + 1):
         idx = rng.choice(len(examples), size=batch, replace=False)
         params, opt, loss = step(params, opt, toks[idx], mask[idx], lens[idx])
-        done += 1
         if done == 1 or done % 10 == 0 or done == steps:
             log.info("format warm-start: step %d/%d, loss %.3f", done, steps, float(loss))
     return params
