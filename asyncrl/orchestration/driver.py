@@ -141,9 +141,7 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
                                                   f"on {info[rank]['host']}") from None
                 if not res.ok:
                     raise HostFailure(rank, role, res.error.strip().splitlines()[0] if res.error else "unknown error")
-                if rank == 0:
-                    for row in queues["driver"].drain():
-                        sink.write(row)
+                if rank == 0:  # its rows were drained just above, after it had returned
                     return res.info
     finally:
         _teardown(actors, queues, pg)

@@ -127,7 +127,7 @@ class InferenceWorker:
 
     # ---- replica loop ---------------------------------------------------------------------------------------
 
-    def _next_requests(self, engine: Engine) -> list[Request]:
+    def _next_requests(self) -> list[Request]:
         P = self.cfg.inference.max_prefill_prompts
         items = []
         while len(items) < P:  # eval prompts first
@@ -157,7 +157,7 @@ class InferenceWorker:
             last_report = time.time()
             while not self.stop.is_set():
                 engine.between_loops()
-                reqs = self._next_requests(engine)
+                reqs = self._next_requests()
                 if reqs:
                     engine.generate(reqs, drain=False, on_group=self._on_group)
                 elif engine.in_flight:

@@ -50,7 +50,6 @@ class TrainerWorker:
         self.P = cfg.prompts_per_step
         self.stop = threading.Event()
         self.dropped = 0
-        self.released = 0
         self.position = 0  # next train data position
         self.synced_version = -1  # the version the inference hosts hold (the feeder gates on this, not on the
         # trainer's own version, so no prompt is released between a step and the sync of its weights)
@@ -91,6 +90,7 @@ class TrainerWorker:
         self.transfer = HopChainTransfer(self.tw)
         self.infer_dtype = jnp.dtype(cfg.inference.params_dtype)
         self.task = build_task(cfg.task) if self.rank == 0 else None
+        self._eval_samples: list | None = None
         self.gauges = RayGauges(cfg.run.name) if (cfg.logging.ray_metrics and self.rank == 0) else None
 
     def _warmstart(self, model: Any) -> None:
@@ -170,7 +170,9 @@ class TrainerWorker:
 
     def launch_eval(self, round_: int) -> int:
         e = self.cfg.eval
-        samples = list(itertools.islice(self.task.samples("eval", self.cfg.task.seed), e.num_prompts))
+        if self._eval_samples is None:  # the same held-out prompts every round
+            self._eval_samples = list(itertools.islice(self.task.samples("eval", self.cfg.task.seed), e.num_prompts))
+        samples = self._eval_samples
         for i, s in enumerate(samples):
             self.q["eval_prompt"].put(PromptItem(1_000_000_000 + i, s, e.group_size, True, round_))
         return len(samples)
@@ -267,6 +269,8 @@ class TrainerWorker:
                                                                "dropped": self.dropped})
             last_row = row
         self.stop.set()
+        if self.ckpt is not None:
+            self.ckpt.close()
         if cfg.checkpoint.export_hf:
             self._export()
         return {"steps": tr.step_count, "version": tr.version, "last": {k: v for k, v in last_row.items()

@@ -80,10 +80,6 @@ class HopChainTransfer:
         self.slot = jax.process_index() // train_workers
         self.transfers = 0
 
-    def receiving_sharding(self) -> NamedSharding:
-        """Where this process ends up holding the tree (its own slot's replicated layout)."""
-        return self.shardings[self.slot]
-
     def transfer(self, tree: Any, shapes: Any | None = None) -> tuple[Any, dict[str, float]]:
         """Trainers pass their params (any sharding on the trainer mesh); the others pass None and `shapes` (a
         ShapeDtypeStruct tree). Returns (this slot's materialized tree, timings)."""
