@@ -4,6 +4,7 @@
     python launch.py submit [--address URL] [--wait] [--config-name NAME] [overrides]   submit as a Ray Job
     python launch.py status JOB_ID | logs JOB_ID | stop JOB_ID [--address URL]
     python launch.py roofline --model llama-3.1-8b --chip v5p --chips 32 ...        pick the train/inference split
+    python launch.py aot [--config-name NAME] [overrides] [--topology v5p:2x4x4] [--json]   compile for a TPU slice
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "aot":
+        from asyncrl.aot.report import main as aot
+
+        return aot(argv[1:])
     if argv and argv[0] == "roofline":
         from asyncrl.orchestration.roofline import main as roofline
 

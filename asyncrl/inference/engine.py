@@ -28,6 +28,7 @@ from asyncrl.inference.forcing import force_end_of_think, force_eos
 from asyncrl.inference.rollout import Completion, Rollout
 from asyncrl.inference.sampling import sample
 from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row
+from asyncrl.models import params as params_lib
 from asyncrl.models.kvcache import KVCache
 from asyncrl.models.tokenizer import Tokenizer, bucket_length
 from asyncrl.models.transformer import Model
@@ -318,6 +319,58 @@ class Engine:
         return jax.shard_map(
             local, mesh=mesh, in_specs=(state_specs, prefill_specs, P(), P(), P(), P()), out_specs=state_specs,
         )(s, prefill, p, row, slot, row_key)
+
+    # ---- ahead-of-time compilation -------------------------------------------------------------------------
+    # The programs above, lowered from abstract values only: what `launch.py aot` compiles for a TPU slice.
+
+    def abstract_params(self) -> Any:
+        """ShapeDtypeStructs of the weights this replica decodes with (`inference.params_dtype`, its layout)."""
+        dtype = jnp.dtype(self.cfg.params_dtype)
+        shapes = params_lib.shapes(self.model.cfg, dtype)
+        if self.mesh is None:
+            return shapes
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                            self.model.param_shardings(self.mesh, dtype))
+
+    def abstract_state(self, rows: int | None = None, split_rows: bool = True) -> DecodeState:
+        """ShapeDtypeStructs of a decode state (`rows` = max_decode_batch_size) or, with split_rows=False, of a
+        prefill batch, on the layouts the compiled programs pin."""
+        rows = self.B if rows is None else rows
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        if self.mesh is None:
+            return jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
+        with jax.set_mesh(self.mesh):
+            shapes = jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                            self.state_shardings(rows, split_rows))
+
+    def prefill_buckets(self) -> list[int]:
+        """Every prompt width `prefill` can compile (prompts are 1 .. max_seq_len - 1 tokens)."""
+        return sorted({bucket_length(n, self.cfg.min_prefill_bucket, self.S) for n in range(1, self.S)})
+
+    def _scalar(self, dtype: Any) -> jax.ShapeDtypeStruct:
+        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return jax.ShapeDtypeStruct((), dtype, sharding=sh)
+
+    def lower_decode(self) -> jax.stages.Lowered:
+        """The decode loop with row substitution (`decode_and_swap`), lowered on abstract inputs."""
+        i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
+        args = (self.abstract_params(), self.abstract_state(), self.abstract_state(self.P, split_rows=False),
+                i32(), i32(), i32(), self._scalar(jnp.uint32), i32())
+        return self._lower(self._decode, args)
+
+    def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
+        """The prefill program for prompts padded to `bucket` tokens, lowered on abstract inputs."""
+        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
+        args = (self.abstract_params(), jax.ShapeDtypeStruct((self.P, bucket), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((self.P,), jnp.int32, sharding=sh))
+        return self._lower(self._prefill, args)
+
+    def _lower(self, fn: Any, args: tuple) -> jax.stages.Lowered:
+        if self.mesh is None:
+            return fn.lower(*args)
+        with jax.set_mesh(self.mesh):
+            return fn.lower(*args)
 
     # ---- host loop ------------------------------------------------------------------------------------------
 

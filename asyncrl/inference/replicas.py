@@ -56,8 +56,15 @@ def place_params(params: Any, shardings: Any) -> Any:
     return jax.tree.map(one, params, shardings)
 
 
+def _place(params: Any, model: Model, mesh: Mesh) -> Any:
+    return None if params is None else place_params(params, model.param_shardings(mesh))
+
+
 class ReplicaSet:
-    """All replicas of one host. `generate` is the offline/eval entry; `serve` runs them continuously."""
+    """All replicas of one host. `generate` is the offline/eval entry; `serve` runs them continuously.
+
+    With `params=None` the set is built abstractly: engines, meshes, shardings and jitted programs exist but no
+    array is allocated (what `launch.py aot` compiles); weights arrive later through `set_params`."""
 
     def __init__(
         self,
@@ -82,12 +89,12 @@ class ReplicaSet:
             if cfg.max_decode_batch_size % dp != 0:
                 raise ValueError(f"inference.max_decode_batch_size={cfg.max_decode_batch_size} must divide over dp={dp}")
             m = model.with_rules(tensor_parallel_rules("tp", data_axis="dp"))
-            self.engines.append(Engine(m, place_params(params, m.param_shardings(mesh)), cfg, tokenizer, eos_id=eos_id,
+            self.engines.append(Engine(m, _place(params, m, mesh), cfg, tokenizer, eos_id=eos_id,
                                        mesh=mesh, seed=seed, version=version, name=f"{name}/spmd", substitute=substitute))
         else:
             for i, mesh in enumerate(replica_meshes(devices, cfg.tp)):
                 m = model.with_rules(tensor_parallel_rules("tp"))
-                self.engines.append(Engine(m, place_params(params, m.param_shardings(mesh)), cfg, tokenizer,
+                self.engines.append(Engine(m, _place(params, m, mesh), cfg, tokenizer,
                                            eos_id=eos_id, mesh=mesh, seed=seed, version=version,
                                            name=f"{name}/r{i}"))
 

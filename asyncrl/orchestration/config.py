@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -98,6 +99,9 @@ class RunConfig:
     """'cpu' forces the CPU backend on every host; 'auto' lets JAX choose (TPU/GPU when present)."""
     startup_timeout_s: float = 180.0
     """Longest the driver waits for all hosts to join jax.distributed."""
+    tpu_topology: Optional[str] = None
+    """The TPU slice this config targets, in libtpu's naming (e.g. v5p:2x4x4 for a v5p-64): `launch.py aot`
+    compiles every program for it when no --topology is given."""
 
     def __post_init__(self) -> None:
         check("run.hosts", self.hosts, self.hosts >= 2, ">= 2 (at least one trainer and one inference host)")
@@ -105,3 +109,6 @@ class RunConfig:
         check("run.max_restarts", self.max_restarts, self.max_restarts >= 0, ">= 0")
         check_choice("run.platform", self.platform, ("auto", "cpu", "tpu", "gpu"))
         check("run.startup_timeout_s", self.startup_timeout_s, self.startup_timeout_s > 0, "> 0")
+        if self.tpu_topology is not None:
+            check("run.tpu_topology", self.tpu_topology, re.match(r"^(v5p|v6e|v5e):\d+(x\d+)+$", self.tpu_topology)
+                  is not None, "a libtpu topology name such as v5p:2x4x4, v6e:2x4 or v5e:2x4")

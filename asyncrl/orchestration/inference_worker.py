@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet, place_params
 from asyncrl.inference.rollout import Rollout
+from asyncrl.sharding.roles import split_roles
 from asyncrl.tasks import Verifier, build_task
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class InferenceWorker:
         self.tokenizer = load_tokenizer(cfg.model, self.run_dir)
         self.task = build_task(cfg.task)
         self.verifier = Verifier(self.task, cfg.task.verifier)
-        self.transfer = HopChainTransfer(cfg.async_.train_workers)
+        self.transfer = HopChainTransfer(cfg.async_.train_workers, jax.devices())
         self.shapes = params_lib.shapes(mcfg, jnp.dtype(cfg.inference.params_dtype))
         self.replicas: ReplicaSet | None = None
         monitor = threading.Thread(target=self._monitor, name="weight-sync-monitor", daemon=True)
@@ -203,7 +204,8 @@ class InferenceWorker:
             time.sleep(0.05)
         with self.gate.lock:
             self.replicas = ReplicaSet(Model(mcfg), self.gate.params, cfg.inference, self.tokenizer,
-                                       devices=jax.local_devices(), seed=cfg.run.seed, version=self.gate.version,
+                                       devices=split_roles(jax.devices(), cfg.async_.train_workers).host_devices(jax.process_index()),
+                                       seed=cfg.run.seed, version=self.gate.version,
                                        name=f"inference{self.rank}")
         threads = [threading.Thread(target=self._push, args=(lane,), name=f"scorer-{'eval' if lane else 'train'}",
                                     daemon=True) for lane in (True, False)]

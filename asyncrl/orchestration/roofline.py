@@ -60,6 +60,7 @@ CHIPS: dict[str, ChipSpec] = {
     "v5p": ChipSpec(459e12, 2765e9, 95e9, 4),
     # v6e-8 is one VM with 8 chips, but GCP (and Ray's TPU code) lay out v6e-16 and up as 4 chips per host.
     "v6e": ChipSpec(918e12, 1640e9, 32e9, 8, pod_chips_per_host=4),
+    "v5e": ChipSpec(197e12, 819e9, 16e9, 8, pod_chips_per_host=4),
     "h100": ChipSpec(989e12, 3.35e12, 80e9, 8),
     "h200": ChipSpec(989e12, 4.8e12, 141e9, 8),
 }

@@ -24,6 +24,7 @@ import numpy as np
 
 from asyncrl.orchestration.checkpoint import TrainerCheckpoints
 from asyncrl.orchestration.metrics import RayGauges
+from asyncrl.sharding.roles import split_roles
 from asyncrl.tasks import build_task, summarize_rewards
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,10 @@ class TrainerWorker:
         from asyncrl.weightsync.transfer import HopChainTransfer
 
         cfg = self.cfg
-        devices = [d for d in jax.devices() if d.process_index < self.tw]
+        roles = split_roles(jax.devices(), self.tw)
         model = Model(model_config(cfg.model))
-        self.trainer = Trainer(model, cfg.train, cfg.loss, cfg.sharding, devices=devices, temperature=cfg.inference.temperature)
+        self.trainer = Trainer(model, cfg.train, cfg.loss, cfg.sharding, devices=roles.trainer_devices,
+                               temperature=cfg.inference.temperature)
         key = jax.random.PRNGKey(cfg.run.seed)
         if cfg.model.path or cfg.model.source:
             _, params = load_model(cfg.model, key)
@@ -87,7 +89,7 @@ class TrainerWorker:
             self.trainer.load_state_dict(meta, state["params"], state["opt_state"])
             self.position, self.dropped = int(meta["position"]), int(meta.get("dropped", 0))
             log.info("resumed from checkpoint step %d (data position %d)", step, self.position)
-        self.transfer = HopChainTransfer(self.tw)
+        self.transfer = HopChainTransfer(self.tw, jax.devices())
         self.infer_dtype = jnp.dtype(cfg.inference.params_dtype)
         self.task = build_task(cfg.task) if self.rank == 0 else None
         self._eval_samples: list | None = None

@@ -15,7 +15,7 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,25 @@ class RLBatch:
     advantages: np.ndarray  # [B] float32
     weights: np.ndarray  # [B, T] float32, per-token loss weights normalised over this batch
     lag: np.ndarray  # [B] int32, trainer version - the oldest weight version of the row's tokens
+
+    @staticmethod
+    def abstract(batch_size: int, seq_len: int, sharding: Callable[[int], Any] | None = None) -> "RLBatch":
+        """ShapeDtypeStructs of a [batch_size, seq_len] batch; `sharding(ndim)` places each leaf (e.g.
+        `TrainShardings.batch`). Lets a train step be lowered and compiled without any data."""
+        def leaf(name: str, dtype: Any, ndim: int) -> jax.ShapeDtypeStruct:
+            shape = (batch_size, seq_len)[:ndim]
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=None if sharding is None else sharding(ndim))
+
+        return RLBatch(**{name: leaf(name, dtype, ndim) for name, (dtype, ndim) in _FIELDS.items()})
+
+
+# dtype and rank of each RLBatch field (what `build_batch` produces).
+_FIELDS = {
+    "tokens": (np.int32, 2), "sampler_logprobs": (np.float32, 2), "seq_lens": (np.int32, 1),
+    "rewards": (np.float32, 1), "group_mean": (np.float32, 1), "group_std": (np.float32, 1),
+    "group_ids": (np.int32, 1), "loss_mask": (np.bool_, 2), "advantages": (np.float32, 1),
+    "weights": (np.float32, 2), "lag": (np.int32, 1),
+}
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -127,6 +127,33 @@ class Trainer:
             self._cast_fns[dtype] = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.shardings.params)
         return self._cast_fns[dtype]
 
+    # ---- ahead-of-time compilation -------------------------------------------------------------------------
+    # The programs a run executes, lowered from abstract values only (`launch.py aot` compiles them for a slice).
+
+    def abstract_batch(self, seq_len: int) -> RLBatch:
+        """The global [train_batch_size, seq_len] batch the step sees, on its shardings."""
+        return RLBatch.abstract(self.train_cfg.train_batch_size, seq_len, self.shardings.batch)
+
+    def lower_step(self, batch: RLBatch) -> jax.stages.Lowered:
+        """The train step (grad accumulation, optimizer update; params and opt_state donated) on `batch`, an
+        abstract global batch such as `abstract_batch(T)`."""
+        state = self.abstract_state()
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.shardings.replicated)
+        with jax.set_mesh(self.mesh):
+            return self._step_fn.lower(state["params"], state["opt_state"], batch, step)
+
+    def lower_sync_cast(self, dtype: Any, out_sharding: Any) -> jax.stages.Lowered:
+        """What precedes every weight sync: the inference-dtype cast, gathered whole onto `out_sharding` (the hop
+        chain's first slot, replicated). The optimizer state stays resident meanwhile, so it rides along as a
+        donated pass-through: the compiled peak then counts everything the trainer chips hold during a sync."""
+        state = self.abstract_state()
+        dtype = jnp.dtype(dtype)
+        out = jax.tree.map(lambda _: out_sharding, self.params_abstract)
+        fn = jax.jit(lambda p, o: (params_lib.cast(p, dtype), o), donate_argnums=(1,),
+                     out_shardings=(out, self.shardings.opt_state))
+        with jax.set_mesh(self.mesh):
+            return fn.lower(state["params"], state["opt_state"])
+
     # ---- training -------------------------------------------------------------------------------------------
 
     def step(self, local_batch: RLBatch, host_metrics: HostMetrics | None = None) -> dict[str, float]:
@@ -142,8 +169,10 @@ class Trainer:
         local_batch = self._agree_across_hosts(local_batch)
         with jax.set_mesh(self.mesh):
             global_batch = shard_batch(local_batch, self.shardings)
-            self.params, self.opt_state, metrics = self._step_fn(
-                self.params, self.opt_state, global_batch, jnp.asarray(self.step_count, jnp.int32))
+            # Committed and replicated on the trainer mesh, like every other input (an uncommitted scalar would be
+            # placed on the default device, which need not be one of the mesh's).
+            step = jax.device_put(np.int32(self.step_count), self.shardings.replicated)
+            self.params, self.opt_state, metrics = self._step_fn(self.params, self.opt_state, global_batch, step)
         # Replicated scalars: this host's copy is the global value (a multi-host array is not fully addressable).
         # One device-to-host transfer for all of them.
         host = jax.device_get({k: v.addressable_data(0) for k, v in metrics.items()})

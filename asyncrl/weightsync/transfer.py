@@ -22,12 +22,14 @@ from __future__ import annotations
 import itertools
 import socket
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax._src import distributed
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from asyncrl.sharding.roles import split_roles
 
 
 def free_port() -> int:
@@ -53,29 +55,20 @@ def barrier(name: str, timeout_s: float = 600.0) -> None:
     client.wait_at_barrier(name, int(timeout_s * 1000))
 
 
-def _slot_mesh(devices: np.ndarray) -> Mesh:
+def slot_mesh(devices: np.ndarray) -> Mesh:
+    """A slot's 1-D mesh: the hop chain moves each leaf replicated over it."""
     return Mesh(devices, ("devices",), axis_types=(AxisType.Explicit,))
 
 
 class HopChainTransfer:
-    def __init__(self, train_workers: int):
-        hosts = jax.process_count()
-        if not 1 <= train_workers < max(hosts, 2) or hosts % train_workers != 0:
-            raise ValueError(
-                f"async.train_workers={train_workers} must be in [1, {hosts}) and divide the {hosts} hosts "
-                "(every hop moves between equal-sized slots)"
-            )
+    def __init__(self, train_workers: int, devices: Sequence[jax.Device] | None = None):
+        """`devices`: every device of the job (default `jax.devices()`), split into slots by `split_roles`."""
+        split = split_roles(jax.devices() if devices is None else devices, train_workers)
         self.train_workers = train_workers
-        self.n_slots = hosts // train_workers
-        per_host = jax.local_device_count()
-        self.slot_size = train_workers * per_host
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        self.slots = [np.array(devices[j * self.slot_size : (j + 1) * self.slot_size]) for j in range(self.n_slots)]
-        for j, devs in enumerate(self.slots):
-            owners = {d.process_index for d in devs}
-            if owners != set(range(j * train_workers, (j + 1) * train_workers)):
-                raise RuntimeError(f"slot {j} devices belong to processes {sorted(owners)}; expected consecutive ranks")
-        self.meshes = [_slot_mesh(d) for d in self.slots]
+        self.slots = [np.array(s) for s in split.slots()]
+        self.n_slots = len(self.slots)
+        self.slot_size = len(self.slots[0])
+        self.meshes = [slot_mesh(d) for d in self.slots]
         self.shardings = [NamedSharding(m, P()) for m in self.meshes]
         self.slot = jax.process_index() // train_workers
         self.transfers = 0

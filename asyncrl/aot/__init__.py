@@ -1,0 +1,1 @@
+"""Ahead-of-time views of compiled XLA programs: cost and memory read from the compiled HLO."""

@@ -1,0 +1,559 @@
+"""Loop-weighted, per-chip cost of a compiled XLA program, read from its compiled HLO text.
+
+`compiled.cost_analysis()` counts a while body once, so a program that scans over layers, chunks a loss or
+accumulates gradients in a loop is under-counted by its trip counts. Here each executed computation is
+weighted by how often it runs: a while body by its trip count (the while's `known_trip_count` backend config
+or, failing that, solved from the condition's compare of the counter against a constant, with the counter's
+start and step read from the loop state and the body), nested loops multiplying. A compiled SPMD program is
+one chip's program, so every figure is per chip.
+
+What is counted, per execution:
+- `matmul_flops`: 2 * output elements * contracted elements for every dot; for every convolution
+  2 * output elements * kernel input features * kernel window (padding not subtracted). Fusions included;
+  Pallas kernels are not (their flops are in `flops`).
+- `flops`: `matmul_flops` plus one per output element of each elementwise op (convert and compare too),
+  (input - output elements) per reduce, and the `cost_estimate` a Pallas kernel (tpu_custom_call) declares.
+  That is XLA's rule, so a loop-free program matches `cost_analysis()["flops"]`. `transcendentals` (exp,
+  log, tanh, ...) are apart, as in XLA.
+- `hbm_bytes`: for each instruction of an executed computation (entry, while bodies and conditions, called
+  and async-wrapped computations), operand bytes plus output bytes, as XLA's "bytes accessed". A fusion
+  counts at its boundary: its insides stay in vregs and VMEM. Refinements that follow traffic, not buffers:
+  * A fusion operand that the fusion only slices (slice, dynamic-slice, gather; through bitcasts and nested
+    fusions) counts the slices: a scanned layer reads its own weights, not the whole stack. A slice is
+    sized in the operand's dtype; XLA sizes TPU's converting slice (an f32 stack read as bf16 layers) by
+    its output dtype, half of what is read.
+  * A dynamic-update-slice updates in place: its buffer is neither read nor rewritten, only the update is.
+  * Bytes are split by memory space, `S(n)` in the layout. Only space 0, HBM, counts here; the others go to
+    `other_memory_bytes` (on TPU 1 is VMEM, 5 pinned host). An async copy counts once, at its copy-done:
+    the source read in its space and the result written in its space.
+  * AllocateBuffer custom-calls only reserve memory and count nothing.
+  Sizes include TPU tile padding (the layout's first tile: `T(8,128)` rounds the two most minor physical
+  dims up to 8 and 128), as XLA's do. Metadata ops (parameter, get-tuple-element, tuple, constant,
+  bitcast, ...) count nothing; while, conditional, call and async-start count their bodies instead. A
+  conditional counts, figure by figure, its most expensive branch: an upper bound, as which runs is unknown.
+- `collective_bytes`: per kind, the payload of each collective: the larger of its input and output bytes,
+  i.e. the whole buffer gathered, reduced or exchanged. A ring moves about (n-1)/n of it per chip for
+  all-gather and reduce-scatter and twice that for all-reduce. An async pair (`all-gather-start` and
+  `-done`) counts once, at the -done; one pipelined across loop iterations counts only its result. TPU fuses reduce-scatter as an all-reduce whose result each chip dynamic-slices
+  (a kCustom fusion); that is reported as reduce-scatter.
+
+Against `cost_analysis()["bytes accessed"]` (the tests measure it): on a loop-free program whose arguments
+stay in HBM the two agree exactly. Where XLA prefetches an argument into VMEM before the program runs
+(copy-start / copy-done), XLA counts every memory space and counts the copy's tuple output (destination
+and source alias) besides the copy-done's output, so its figure is about `hbm_bytes` + VMEM bytes + twice
+the prefetched bytes; `hbm_bytes` is the same with or without the prefetch.
+
+A loop whose trip count cannot be read is weighted 1 and named in `unknown_trip_counts`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+_METADATA_OPS = frozenset("parameter get-tuple-element tuple constant bitcast after-all partition-id replica-id "
+                          "opt-barrier add-dependency domain".split())
+_TRANSCENDENTAL_OPS = frozenset("exponential exponential-minus-one log log-plus-one tanh logistic sqrt rsqrt cbrt "
+                                "power sine cosine tan atan2 erf".split())
+_ELEMENTWISE_OPS = frozenset(
+    "add subtract multiply divide remainder maximum minimum abs negate sign floor ceil round-nearest-afz "
+    "round-nearest-even compare select clamp convert and or xor not shift-left shift-right-arithmetic "
+    "shift-right-logical popcnt count-leading-zeros is-finite real imag complex stochastic-convert".split())
+_COLLECTIVES = frozenset("all-gather all-reduce reduce-scatter all-to-all collective-permute collective-broadcast "
+                         "ragged-all-to-all".split())
+_SLICING_OPS = frozenset({"slice", "dynamic-slice", "gather"})
+# Outputs that alias another buffer, so that largest_buffers names each buffer once.
+_ALIASING_OPS = frozenset("get-tuple-element tuple bitcast while conditional call opt-barrier constant".split())
+
+_LEAF = re.compile(r"([a-z][a-z0-9]*)\[([0-9,\s]*)\](?:\{([^}]*)\})?")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
+
+
+class Leaf(NamedTuple):
+    """One array of a (possibly tuple) HLO type."""
+
+    dtype: str
+    dims: tuple[int, ...]
+    memory_space: int
+    bytes: float  # with tile padding
+
+
+class Loop(NamedTuple):
+    """A while loop of the program; depth 0 is outermost. trip_count is None where it could not be read."""
+
+    name: str
+    trip_count: int | None
+    depth: int
+
+
+@dataclass(frozen=True)
+class ProgramCost:
+    """Per-chip cost of one execution of a compiled program, each loop body weighted by its trip count."""
+
+    flops: float
+    matmul_flops: float
+    transcendentals: float
+    hbm_bytes: float
+    other_memory_bytes: dict[int, float]  # memory space -> bytes (TPU: 1 VMEM, 5 pinned host)
+    collective_bytes: dict[str, float]  # kind -> payload bytes
+    loops: tuple[Loop, ...]
+    unknown_trip_counts: tuple[str, ...]  # while instructions weighted 1 for want of a trip count
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes of one element: bf16 2, s4 0.5, f8e4m3fn 1, pred 1, token 0."""
+    m = re.match(r"[a-z]+?(\d+)", dtype)
+    return 1.0 if dtype == "pred" else int(m.group(1)) / 8 if m else 0.0
+
+
+def parse_shape(type_str: str) -> list[Leaf]:
+    """The arrays of an HLO type such as `(s32[], bf16[8,128]{1,0:T(8,128)(2,1)S(1)})`, in order."""
+    leaves = []
+    for dtype, dims_str, layout in _LEAF.findall(type_str):
+        dims = tuple(int(d) for d in dims_str.replace(" ", "").split(",") if d)
+        space = re.search(r"S\((\d+)\)", layout)
+        leaves.append(Leaf(dtype, dims, int(space.group(1)) if space else 0,
+                           _padded_elements(dims, layout) * dtype_bytes(dtype)))
+    return leaves
+
+
+def _padded_elements(dims: tuple[int, ...], layout: str) -> int:
+    tile = re.search(r"T\(([\d,]*)\)", layout)
+    minor_to_major = [int(d) for d in layout.split(":")[0].split(",") if d.strip().isdigit()]
+    if not tile or len(minor_to_major) != len(dims):  # no tiling, or tile dims we do not model (`*`, `?`)
+        return math.prod(dims)
+    tile_dims = [int(t) for t in tile.group(1).split(",") if t]
+    physical = [dims[d] for d in reversed(minor_to_major)]
+    physical = [1] * max(0, len(tile_dims) - len(physical)) + physical
+    for i, t in enumerate(reversed(tile_dims)):
+        physical[-1 - i] = -(-physical[-1 - i] // t) * t
+    return math.prod(physical)
+
+
+@dataclass
+class Instr:
+    name: str
+    type_str: str
+    op: str
+    operands: list[str]
+    operand_text: str
+    attrs: str
+
+    @property
+    def leaves(self) -> list[Leaf]:
+        return parse_shape(self.type_str)
+
+    def called(self, key: str) -> str | None:
+        m = re.search(rf"\b{key}=%?([\w.\-]+)", self.attrs)
+        return m.group(1) if m else None
+
+    def callees(self) -> list[str]:
+        """Computations this instruction runs as code of the executed program (not per-element appliers)."""
+        if self.op == "while":
+            return [self.called("body"), self.called("condition")]
+        if self.op == "conditional":
+            branches = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
+            return re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else \
+                [self.called("true_computation"), self.called("false_computation")]
+        if self.op in ("call", "async-start"):
+            return [self.called("to_apply") or self.called("calls")]
+        return []
+
+
+@dataclass
+class Computation:
+    name: str
+    is_entry: bool
+    instrs: dict[str, Instr] = field(default_factory=dict)
+    root: Instr | None = None
+    _users: dict[str, list[tuple[Instr, int]]] | None = None
+
+    def users(self, name: str) -> list[tuple[Instr, int]]:
+        """(user, operand index) pairs of the instruction `name`."""
+        if self._users is None:
+            self._users = {}
+            for i in self.instrs.values():
+                for k, o in enumerate(i.operands):
+                    self._users.setdefault(o, []).append((i, k))
+        return self._users.get(name, [])
+
+    def param(self, index: int) -> Instr | None:
+        return next((i for i in self.instrs.values() if i.op == "parameter" and i.operand_text == str(index)), None)
+
+
+def _window_taps(out: int, inp: int, size: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
+    """Sum over output positions of the window taps that land on a real input element (not padding, not a hole
+    of lhs dilation)."""
+    import numpy as np
+
+    w = np.arange(size) * rhs_dil
+    total = 0
+    for start in range(0, out, max(1, (1 << 22) // max(size, 1))):  # bounded temporaries for long windows
+        o = np.arange(start, min(out, start + max(1, (1 << 22) // max(size, 1))))[:, None] * stride
+        pos = o + w[None, :] - pad_lo
+        total += int(np.count_nonzero((pos >= 0) & (pos <= (inp - 1) * lhs_dil) & (pos % lhs_dil == 0)))
+    return total
+
+
+def _conv_macs(ins: "Instr", lhs: tuple[int, ...], rhs: tuple[int, ...]) -> float:
+    """Multiply-adds of a convolution: output batch x output features x kernel input features x, per spatial dim,
+    the window taps that hit real input. TPU lowers batched matmuls to convolutions whose batch dims are spatial
+    dims with a window as wide as the dim, padded so that only one tap is real: counting the whole window (or
+    the padding) would over-count those by the dim's size."""
+    lab = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    lhs_l, rhs_l, out_l = lab.group(1), lab.group(2), lab.group(3)
+    out = ins.leaves[0].dims
+    macs = float(out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")])
+    spatial = sorted(c for c in out_l if c.isdigit())
+    win = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    fields = dict(f.split("=", 1) for f in win.group(1).split()) if win else {}
+
+    def per_dim(key: str, default: int) -> list[int]:
+        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * len(spatial)
+
+    size, stride = per_dim("size", 1), per_dim("stride", 1)
+    lhs_dil, rhs_dil = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    pads = [int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields else [0] * len(spatial)
+    for i, d in enumerate(spatial):
+        macs *= _window_taps(out[out_l.index(d)], lhs[lhs_l.index(d)], size[i], stride[i], pads[i], lhs_dil[i],
+                             rhs_dil[i])
+    return macs
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the parenthesis that closes the one at `start`; -1 if none does."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return -1
+
+
+def parse_hlo(hlo_text: str) -> dict[str, Computation]:
+    """Computations by name, from `compiled.as_text()` or any HLO module text."""
+    comps: dict[str, Computation] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m and not line.startswith("HloModule"):
+                current = comps.setdefault(m.group(2), Computation(m.group(2), bool(m.group(1))))
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        rest = line[m.end():] if m else ""
+        end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+        op = re.match(r"\s*([\w\-]+)\(", rest[end:]) if end > 0 else None
+        if not op:
+            continue
+        close = _balanced(rest, end + op.end() - 1)
+        if close < 0:  # a line we cannot read moves nothing, rather than failing the whole analysis
+            continue
+        operand_text = rest[end + op.end():close - 1].strip()
+        ins = Instr(m.group(2), rest[:end], op.group(1), re.findall(r"%([\w.\-]+)", operand_text), operand_text,
+                    rest[close:])
+        current.instrs[ins.name] = ins
+        if m.group(1):
+            current.root = ins
+    for comp in comps.values():
+        if comp.root is None and comp.instrs:
+            comp.root = list(comp.instrs.values())[-1]
+    return comps
+
+
+class _Acc:
+    """Additive figures: "flops", "matmul_flops", "transcendentals", ("mem", space), ("coll", kind)."""
+
+    def __init__(self) -> None:
+        self.c: dict[Any, float] = {}
+        self.loops: list[Loop] = []
+
+    def inc(self, key: Any, n: float) -> None:
+        self.c[key] = self.c.get(key, 0.0) + n
+
+    def add(self, o: _Acc, w: float = 1.0, combine: Any = None) -> None:
+        for k, v in o.c.items():
+            self.c[k] = combine(self.c.get(k, 0.0), v) if combine else self.c.get(k, 0.0) + w * v
+        self.loops += o.loops
+
+
+class _Analyzer:
+    def __init__(self, hlo_text: str) -> None:
+        self.comps = parse_hlo(hlo_text)
+        self._memo: dict[tuple[str, str], Any] = {}
+        self.entry = next((c for c in self.comps.values() if c.is_entry), None)
+        if self.entry is None:
+            raise ValueError("HLO text has no ENTRY computation")
+
+    def _shape(self, comp: Computation, name: str) -> list[Leaf]:
+        return comp.instrs[name].leaves if name in comp.instrs else []
+
+    def _instr_flops(self, comp: Computation, ins: Instr) -> tuple[float, float, float]:
+        """(matmul flops, other flops, transcendentals) of one instruction, a fusion's insides included."""
+        if ins.op == "fusion":
+            return self._fused(ins.called("calls"), "flops")
+        out = sum(math.prod(leaf.dims) for leaf in ins.leaves)
+        if ins.op in ("dot", "convolution"):
+            lhs, rhs = (self._shape(comp, o) for o in (ins.operands + ["", ""])[:2])
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,\s]*)\}", ins.attrs)
+            labels = re.search(r"dim_labels=\w*_(\w+)->", ins.attrs)
+            if ins.op == "dot" and lhs and contracting:
+                k = math.prod(lhs[0].dims[int(d)] for d in contracting.group(1).split(",") if d.strip())
+            elif ins.op == "convolution" and lhs and rhs and labels:
+                return 2.0 * _conv_macs(ins, lhs[0].dims, rhs[0].dims), 0.0, 0.0
+            else:
+                k = 1
+            return 2.0 * out * k, 0.0, 0.0
+        if ins.op == "custom-call":  # a Pallas kernel states its own cost
+            est = re.search(r'"cost_estimate"\s*:\s*\{([^}]*)\}', ins.attrs)
+            fl, tr = (re.search(rf'"{key}"\s*:\s*"?(\d+)', est.group(1)) if est else None
+                      for key in ("flops", "transcendentals"))
+            return 0.0, float(fl.group(1)) if fl else 0.0, float(tr.group(1)) if tr else 0.0
+        if ins.op in _TRANSCENDENTAL_OPS:
+            return 0.0, 0.0, float(out)
+        if ins.op in _ELEMENTWISE_OPS:
+            return 0.0, float(out), 0.0
+        if ins.op == "reduce":
+            inputs = ins.operands[:len(ins.operands) // 2]
+            return 0.0, float(max(0, sum(math.prod(x.dims) for o in inputs for x in self._shape(comp, o)) - out)), 0.0
+        return 0.0, 0.0, 0.0
+
+    def _fused(self, name: str | None, what: str) -> Any:
+        """Memoized flops triple, or {kind: payload} of collectives, inside a fused computation."""
+        if (name, what) not in self._memo:
+            comp = self.comps.get(name or "")
+            instrs = list(comp.instrs.values()) if comp else []
+            if what == "flops":
+                parts = [self._instr_flops(comp, i) for i in instrs]
+                self._memo[name, what] = tuple(sum(p[j] for p in parts) for j in range(3))
+            else:
+                found = _Acc()
+                for i in instrs:
+                    if i.op == "fusion":
+                        for kind, n in self._fused(i.called("calls"), what).items():
+                            found.inc(kind, n)
+                    elif i.op in _COLLECTIVES:
+                        users = comp.users(i.name)
+                        kind = "reduce-scatter" if i.op == "all-reduce" and users and all(
+                            u.op == "dynamic-slice" for u, _ in users) else i.op
+                        read = sum(x.bytes for o in i.operands for x in self._shape(comp, o))
+                        found.inc(kind, max(read, sum(x.bytes for x in i.leaves)))
+                self._memo[name, what] = found.c
+        return self._memo[name, what]
+
+    def _param_read_bytes(self, fused: str | None, index: int, full: float) -> float:
+        """Bytes a fusion reads of operand `index`: the slices it takes if it only slices it, else all."""
+        comp = self.comps.get(fused or "")
+        param = comp.param(index) if comp else None
+        if param is None:
+            return full
+        total, frontier = 0.0, [param]
+        while frontier:
+            node = frontier.pop()
+            if node is comp.root:  # it flows out whole
+                return full
+            for user, k in comp.users(node.name):
+                if user.op == "bitcast":
+                    frontier.append(user)
+                elif user.op in _SLICING_OPS and k == 0:
+                    total += math.prod(user.leaves[0].dims) * dtype_bytes(node.leaves[0].dtype)
+                elif user.op == "fusion":
+                    total += self._param_read_bytes(user.called("calls"), k, full)
+                elif not (user.op == "dynamic-update-slice" and k == 0):
+                    return full
+        return min(total, full)
+
+    def _read_bytes(self, comp: Computation, ins: Instr) -> list[tuple[int, float]]:
+        """(memory space, bytes) read per operand."""
+        reads = []
+        for k, o in enumerate(ins.operands):
+            leaves = self._shape(comp, o)
+            full = sum(x.bytes for x in leaves)
+            if not leaves:
+                continue
+            if ins.op == "fusion":
+                full = self._param_read_bytes(ins.called("calls"), k, full)
+            elif ins.op in _SLICING_OPS and k == 0:
+                full = min(full, math.prod(ins.leaves[0].dims) * dtype_bytes(leaves[0].dtype))
+            elif ins.op == "dynamic-update-slice" and k == 0:
+                full = 0.0
+            reads.append((leaves[0].memory_space, full))
+        return reads
+
+    def _write_bytes(self, comp: Computation, ins: Instr) -> list[tuple[int, float]]:
+        """(memory space, bytes) written per output; a dynamic-update-slice writes only its update."""
+        roots = [ins]
+        if ins.op == "fusion" and ins.called("calls") in self.comps:
+            comp = self.comps[ins.called("calls")]
+            root = self._skip_bitcasts(comp, comp.root)
+            roots = [self._skip_bitcasts(comp, comp.instrs.get(o)) for o in root.operands] \
+                if root is not None and root.op == "tuple" else [root]
+        leaves = ins.leaves
+        if len(roots) != len(leaves):
+            roots = [None] * len(leaves)
+        return [(leaf.memory_space, sum(x.bytes for x in self._shape(comp, r.operands[1]))
+                 if r is not None and r.op == "dynamic-update-slice" else leaf.bytes) for leaf, r in zip(leaves, roots)]
+
+    @staticmethod
+    def _skip_bitcasts(comp: Computation, ins: Instr | None) -> Instr | None:
+        while ins is not None and ins.op == "bitcast" and ins.operands[0] in comp.instrs:
+            ins = comp.instrs[ins.operands[0]]
+        return ins
+
+    def walk(self, name: str | None, depth: int = 0) -> _Acc:
+        """Figures of one run of an executed computation, its loops weighted by their trip counts."""
+        acc, comp = _Acc(), self.comps.get(name or "")
+        for ins in comp.instrs.values() if comp else ():
+            op = ins.op
+            if op in _METADATA_OPS or 'custom_call_target="AllocateBuffer"' in ins.attrs:
+                continue
+            if op == "while":
+                trip = self.trip_count(comp, ins)
+                acc.loops.append(Loop(ins.name, trip, depth))
+                body, cond = ins.callees()
+                acc.add(self.walk(body, depth + 1), 1 if trip is None else trip)
+                acc.add(self.walk(cond, depth + 1), 1 if trip is None else trip + 1)
+                continue
+            if op == "conditional":
+                worst = _Acc()
+                for branch in ins.callees():
+                    worst.add(self.walk(branch, depth), combine=max)
+                acc.add(worst)
+                continue
+            if ins.callees() and ins.callees()[0] in self.comps:
+                acc.add(self.walk(ins.callees()[0], depth))
+                continue
+            if op in ("async-update", "async-done") or (op.endswith("-start") and op != "async-start"):
+                continue  # counted at the -done
+            start = comp.instrs.get(ins.operands[0]) if op.endswith("-done") and ins.operands else None
+            if op.endswith("-done"):  # its inputs are its -start's, unless that ran in an earlier iteration
+                reads = self._read_bytes(comp, start) if start is not None and start.op.endswith("-start") else []
+            else:
+                reads = self._read_bytes(comp, ins)
+            writes = self._write_bytes(comp, ins)
+            for space, n in reads + writes:
+                acc.inc(("mem", space), n)
+            kind = op.removesuffix("-done")
+            if kind in _COLLECTIVES:
+                acc.inc(("coll", kind), max(sum(n for _, n in reads), sum(n for _, n in writes)))
+            if op == "fusion":
+                for kind, n in self._fused(ins.called("calls"), "collectives").items():
+                    acc.inc(("coll", kind), n)
+            mm, fl, tr = self._instr_flops(comp, ins)
+            acc.inc("matmul_flops", mm)
+            acc.inc("flops", mm + fl)
+            acc.inc("transcendentals", tr)
+        return acc
+
+    def trip_count(self, comp: Computation, ins: Instr) -> int | None:
+        """`known_trip_count`, else solved from the condition's compare of the counter against a constant."""
+        m = _TRIP.search(ins.attrs)
+        if m:
+            return int(m.group(1))
+        body, cond = (self.comps.get(c or "") for c in ins.callees())
+        cmp, scope = (cond.root, (cond, None)) if cond else (None, None)
+        if cmp is not None and cmp.op == "fusion" and cmp.called("calls") in self.comps:
+            fused = self.comps[cmp.called("calls")]
+            cmp, scope = fused.root, (fused, (cond, cmp))
+        direction = re.search(r"direction=(\w+)", cmp.attrs) if cmp is not None and cmp.op == "compare" else None
+        if not direction:
+            return None
+        a, b = (self._resolve(scope, o) for o in cmp.operands[:2])
+        d = direction.group(1)
+        if a and b and a[0] == "const" and b[0] == "index":
+            a, b, d = b, a, _FLIP[d]
+        if not (a and b and a[0] == "index" and b[0] == "const"):
+            return None
+        state = comp.instrs.get(ins.operands[0]) if ins.operands else None
+        init = self._resolve((comp, None), state.operands[a[1]]) \
+            if state is not None and state.op == "tuple" and a[1] < len(state.operands) else None
+        init = init[1] if init and init[0] == "const" else 0  # where scans and fori_loops start
+        step = self._step(body, a[1])
+        span = {"LT": b[1] - init, "NE": b[1] - init, "LE": b[1] - init + 1,
+                "GT": init - b[1], "GE": init - b[1] + 1}.get(d)
+        if span is None or (d in ("GT", "GE")) != (step < 0):
+            return None
+        return max(0, -(-span // abs(step)))
+
+    def _resolve(self, scope: tuple[Computation, Any], name: str) -> tuple[str, int] | None:
+        """("const", value) or ("index", loop-state tuple index) that `name` evaluates to, if either."""
+        comp, outer = scope
+        ins = comp.instrs.get(name)
+        for _ in range(16):
+            if ins is None:
+                return None
+            if ins.op == "constant":
+                v = re.fullmatch(r"-?\d+", ins.operand_text)
+                return ("const", int(v.group(0))) if v else None
+            if ins.op == "get-tuple-element" and getattr(comp.instrs.get(ins.operands[0]), "op", "") == "parameter":
+                return "index", int(re.search(r"index=(\d+)", ins.attrs).group(1))
+            if ins.op == "parameter" and outer is not None:  # a fused condition's parameter: its caller's operand
+                (comp, caller), outer = outer, None
+                ins = comp.instrs.get(caller.operands[int(ins.operand_text)])
+                continue
+            if ins.op not in ("copy", "bitcast", "convert", "reshape"):
+                return None
+            ins = comp.instrs.get(ins.operands[0])
+        return None
+
+    def _step(self, body: Computation | None, index: int) -> int:
+        """The counter's increment in the body; 1 where it cannot be read."""
+        root = body.root if body is not None else None
+        upd = body.instrs.get(root.operands[index]) if root is not None and root.op == "tuple" \
+            and index < len(root.operands) else None
+        if upd is not None and upd.op in ("add", "subtract"):
+            r = [self._resolve((body, None), o) for o in upd.operands[:2]]
+            consts = [x[1] for x in r if x and x[0] == "const"]
+            if consts and ("index", index) in r:
+                return consts[0] if upd.op == "add" else -consts[0]
+        return 1
+
+
+def analyze_hlo(hlo_text: str) -> ProgramCost:
+    """Loop-weighted per-chip cost of the program in `hlo_text` (see the module docstring)."""
+    acc = _Analyzer(hlo_text)
+    acc = acc.walk(acc.entry.name)
+    c = acc.c
+    return ProgramCost(
+        flops=c.get("flops", 0.0), matmul_flops=c.get("matmul_flops", 0.0),
+        transcendentals=c.get("transcendentals", 0.0), hbm_bytes=c.get(("mem", 0), 0.0),
+        other_memory_bytes={k[1]: v for k, v in c.items() if k[0] == "mem" and k[1] != 0},
+        collective_bytes={k[1]: v for k, v in c.items() if k[0] == "coll"},
+        loops=tuple(acc.loops), unknown_trip_counts=tuple(lp.name for lp in acc.loops if lp.trip_count is None))
+
+
+def analyze(compiled: Any) -> ProgramCost:
+    """`analyze_hlo` of a `jax.stages.Compiled`, from `jax.jit(f).lower(...).compile()`."""
+    return analyze_hlo(compiled.as_text())
+
+
+def largest_buffers(hlo_text: str, n: int = 5) -> list[tuple[str, str, float]]:
+    """The `n` largest HBM buffers made by instructions of executed computations, as (name, type, bytes).
+
+    Fusion insides are not buffers. Aliases (get-tuple-element, tuple, bitcast, while, a -start's tuple, ...)
+    are skipped so that each buffer is named once, by what makes it. Entry parameters count: they are the
+    weights and optimizer state that an out-of-memory message should name.
+    """
+    a = _Analyzer(hlo_text)
+    seen, todo, out = set(), [a.entry.name], []
+    while todo:
+        comp = a.comps.get(todo.pop())
+        if comp is None or comp.name in seen:
+            continue
+        seen.add(comp.name)
+        for ins in comp.instrs.values():
+            todo += [c for c in ins.callees() if c]
+            if ins.op in _ALIASING_OPS or ins.op.endswith("-start") or (ins.op == "parameter" and not comp.is_entry):
+                continue
+            hbm = sum(leaf.bytes for leaf in ins.leaves if leaf.memory_space == 0)
+            if hbm:
+                out.append((ins.name, ins.type_str, hbm))
+    return sorted(out, key=lambda t: -t[2])[:n]
