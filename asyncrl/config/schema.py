@@ -63,6 +63,11 @@ class Config:
         check("train.train_batch_size", self.train.train_batch_size, prompts % tw == 0,
               f"such that prompts per step ({prompts}) divide over async.train_workers={tw}")
 
+        cp = self.sharding.mesh.cp_ulysses
+        if cp > 1:
+            check("train.pad_to_multiple", self.train.pad_to_multiple, self.train.pad_to_multiple % cp == 0,
+                  f"a multiple of sharding.mesh.cp_ulysses={cp} (Ulysses splits every padded sequence into cp parts)")
+
     @property
     def prompts_per_step(self) -> int:
         return self.train.train_batch_size // self.inference.group_size

@@ -8,11 +8,18 @@ Sequence semantics (shared by training, prefill and decode):
 - Without a cache, row b's tokens sit at positions 0..sequence_lens[b]-1.
 - With a cache, they are written at positions cache.length[b] + t and the cache length grows by
   sequence_lens[b]. A prefill is the same call on an empty cache; a decode step is a call with T=1.
+
+Context parallelism (Ulysses). When the sharding rules map the logical axis "seq" onto mesh axes of size > 1
+(the trainer's "cp"), a cache-free forward keeps every [B, T, ...] activation split over T. Around attention an
+all-to-all turns q, k, v from sequence-split [B, T/n, H, Dh] into head-split [B, T, H/n, Dh], attention runs on
+whole sequences locally, and a second all-to-all turns its output back before `wo`. Calls with a KV cache
+(prefill, decode) never split the sequence: CP is a training layout only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +78,11 @@ def _explicit_mesh():
     return None if m.empty or not m.explicit_axes else m
 
 
+def _entry(axes: tuple[str, ...]) -> Any:
+    """Mesh axes -> one PartitionSpec entry."""
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
 def _drop_axes(entry: Any, drop: set[str]) -> Any:
     if entry is None:
         return None
@@ -119,14 +131,57 @@ class Model:
     # weights stored sharded over a *data* axis (FSDP) are all-gathered right before use, and contractions
     # over a tensor-parallel axis (wo, w_down) name their output layout, which makes XLA insert the psum.
 
-    def _data_axes(self, mesh) -> set[str]:
-        rules = self.rules or ShardingRules()
-        return {a for a in rules.mesh_axes("batch") if a in mesh.axis_names}
+    def _batch_axes(self, mesh) -> tuple[str, ...]:
+        return tuple(a for a in (self.rules or ShardingRules()).mesh_axes("batch") if a in mesh.axis_names)
 
-    def _act_spec(self, mesh, ndim: int) -> P:
-        axes = tuple(a for a in (self.rules or ShardingRules()).mesh_axes("batch") if a in mesh.axis_names)
-        first = None if not axes else (axes[0] if len(axes) == 1 else axes)
-        return P(first, *([None] * (ndim - 1)))
+    def _data_axes(self, mesh) -> set[str]:
+        return set(self._batch_axes(mesh))
+
+    def seq_axes(self, mesh: Any = None) -> tuple[str, ...]:
+        """Mesh axes that split the sequence of a cache-free forward: the rules' "seq" axes of size > 1.
+
+        `mesh` defaults to the ambient Explicit mesh. Empty for inference rules and meshes, and for a size-1
+        cp axis, so that such a forward is exactly the batch-only layout."""
+        mesh = _explicit_mesh() if mesh is None else mesh
+        if mesh is None:
+            return ()
+        rules = self.rules or ShardingRules()
+        return tuple(a for a in rules.mesh_axes("seq") if a in mesh.axis_names and mesh.shape[a] > 1)
+
+    def _act_spec(self, mesh, ndim: int, seq: tuple[str, ...] = ()) -> P:
+        """[B, T, ...] activations: B over the batch axes, T over `seq` (empty unless context parallel)."""
+        return P(_entry(self._batch_axes(mesh)), *([_entry(seq)] if ndim > 1 else []), *([None] * (ndim - 2)))
+
+    def _token_spec(self, mesh, ndim: int) -> P:
+        """[B*T, ...] flattened positions: merging a B split over the batch axes with a T split over the seq axes
+        is a split over both, in that order, so flattening moves no data."""
+        return P(_entry(self._batch_axes(mesh) + self.seq_axes(mesh)), *([None] * (ndim - 1)))
+
+    def _check_context_parallel(self, T: int, seq: tuple[str, ...], mesh) -> None:
+        n = math.prod(mesh.shape[a] for a in seq)
+        if T % n:
+            raise ValueError(f"sequence length {T} does not divide over the {n}-way context-parallel mesh axes {seq} "
+                             f"(sharding.mesh.cp_ulysses): pad the batch to a multiple of {n} "
+                             "(train.pad_to_multiple)")
+        if self.cfg.num_heads % n:
+            raise ValueError(f"num_heads={self.cfg.num_heads} does not divide over {n}-way context parallelism "
+                             "(sharding.mesh.cp_ulysses): Ulysses splits attention heads over the cp axis")
+
+    def _ulysses_to_heads(self, q: jax.Array, k: jax.Array, v: jax.Array, mesh, seq: tuple[str, ...]
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Sequence-split q [B, T/n, H, Dh], k, v [B, T/n, K, Dh] -> head-split [B, T, H/n, Dh], [B, T, K'/n, Dh].
+
+        Each reshard lowers to one all-to-all over `seq`. When K does not divide by n (GQA with few KV heads),
+        each KV head is first repeated r = n / gcd(K, n) times: K' = lcm(K, n) heads still serve consecutive
+        groups of H / K' query heads, which is how `attention` groups them (r divides H / K because n divides
+        H). A device then holds K' / n <= K heads of the whole sequence: never more traffic or memory than
+        gathering k, v over the sequence, and the repeat's backward sums the copies' gradients."""
+        n = math.prod(mesh.shape[a] for a in seq)
+        r = n // math.gcd(k.shape[2], n)
+        if r > 1:
+            k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+        heads = P(_entry(self._batch_axes(mesh)), None, _entry(seq), None)
+        return tuple(jax.sharding.reshard(x, heads) for x in (q, k, v))  # type: ignore[return-value]
 
     def _use(self, w: jax.Array) -> jax.Array:
         """Compute view of a stored weight: FSDP shards gathered, tensor-parallel shards kept."""
@@ -138,12 +193,12 @@ class Model:
         new = P(*[_drop_axes(e, drop) for e in spec])
         return w if tuple(new) == tuple(spec) else jax.sharding.reshard(w, new)
 
-    def _contract(self, eq: str, x: jax.Array, w: jax.Array, **kw: Any) -> jax.Array:
+    def _contract(self, eq: str, x: jax.Array, w: jax.Array, seq: tuple[str, ...] = (), **kw: Any) -> jax.Array:
         mesh = _explicit_mesh()
         if mesh is None:
             return jnp.einsum(eq, x, w, **kw)
         out_ndim = len(eq.split("->")[1])
-        return jnp.einsum(eq, x, w, out_sharding=self._act_spec(mesh, out_ndim), **kw)
+        return jnp.einsum(eq, x, w, out_sharding=self._act_spec(mesh, out_ndim, seq), **kw)
 
     # ---- forward --------------------------------------------------------------------------------------------
 
@@ -159,18 +214,23 @@ class Model:
         c = self.cfg
         B, T = x.shape
         sequence_lens = sequence_lens.astype(jnp.int32)
+        mesh = _explicit_mesh()
+        seq = () if mesh is None or kv_cache is not None else self.seq_axes(mesh)  # context-parallel axes
+        if seq:
+            self._check_context_parallel(T, seq, mesh)
         with jax.named_scope("embed"):
-            mesh = _explicit_mesh()
             if mesh is None:
                 h = jnp.take(params.embed, x, axis=0)  # [B, T, D]
-            else:  # the lookup wants the whole table; the output follows the batch layout
+            else:  # the lookup wants the whole table; the output follows the activation layout
                 embed = jax.sharding.reshard(params.embed, P())
-                x = jax.sharding.reshard(x, self._act_spec(mesh, 2))
-                h = embed.at[x].get(out_sharding=self._act_spec(mesh, 3))
+                x = jax.sharding.reshard(x, self._act_spec(mesh, 2, seq))
+                h = embed.at[x].get(out_sharding=self._act_spec(mesh, 3, seq))
         start = jnp.zeros((B,), jnp.int32) if kv_cache is None else kv_cache.length
         q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
         kv_len = start + sequence_lens
-        cos, sin = rope_tables(c, q_pos)
+        # Attention keeps the whole q_pos (its queries span the full sequence); the rotary tables only need the
+        # positions a device holds.
+        cos, sin = rope_tables(c, jax.sharding.reshard(q_pos, self._act_spec(mesh, 2, seq)) if seq else q_pos)
 
         def block(h: jax.Array, layer: LayerParams, cache_k: jax.Array | None, cache_v: jax.Array | None):
             layer = jax.tree.map(self._use, layer)
@@ -189,13 +249,19 @@ class Model:
                     k_all, v_all = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
                 else:
                     k_all, v_all = k, v
-                o = attention(q, k_all, v_all, q_pos, kv_len)
-                h = h + self._contract("bthk,hkd->btd", o, layer.wo)
+                if seq:
+                    with jax.named_scope("ulysses"):
+                        q, k_all, v_all = self._ulysses_to_heads(q, k_all, v_all, mesh, seq)
+                o = attention(q, k_all, v_all, q_pos, kv_len)  # [B, T, H, Dh]
+                if seq:
+                    with jax.named_scope("ulysses"):
+                        o = jax.sharding.reshard(o, self._act_spec(mesh, 4, seq))
+                h = h + self._contract("bthk,hkd->btd", o, layer.wo, seq)
             with jax.named_scope("mlp"):
                 m = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
                 gate = jnp.einsum("btd,df->btf", m, layer.w_gate)
                 up = jnp.einsum("btd,df->btf", m, layer.w_up)
-                h = h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
+                h = h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down, seq)
             return h, cache_k, cache_v
 
         if kv_cache is None:
@@ -229,21 +295,50 @@ class Model:
         """[..., D] -> fp32 logits [..., V]."""
         return jnp.einsum("...d,dv->...v", h, self.lm_head_weight(params), preferred_element_type=jnp.float32)
 
+    def flatten_positions(self, x: jax.Array) -> jax.Array:
+        """[B, T, ...] -> [B*T, ...], keeping a cache-free forward's layout (no data movement)."""
+        mesh = _explicit_mesh()
+        shape = (x.shape[0] * x.shape[1], *x.shape[2:])
+        if mesh is None:
+            return jnp.reshape(x, shape)
+        return jnp.reshape(x, shape, out_sharding=self._token_spec(mesh, len(shape)))
+
+    def next_token_targets(self, tokens: jax.Array) -> jax.Array:
+        """[B, T] -> [B, T]: tokens[:, t+1] at position t, and 0 at the last position (which no caller reads).
+
+        Scoring every position keeps T, rather than T-1, as the length of every sharded dim: T-1 would not divide
+        over a context-parallel axis. The shift itself runs on the whole, small, int [B, T] array."""
+        mesh = _explicit_mesh()
+        if mesh is None:
+            return jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+        whole = jax.sharding.reshard(tokens, self._act_spec(mesh, 2))
+        shifted = jnp.pad(whole[:, 1:], ((0, 0), (0, 1)))
+        return jax.sharding.reshard(shifted, self._act_spec(mesh, 2, self.seq_axes(mesh)))
+
+    def drop_last_position(self, y: jax.Array, batch: int) -> jax.Array:
+        """[B*T] per-position values -> [B, T-1] in the batch-only layout (the last position predicts nothing).
+
+        Explicit sharding refuses to slice a dim split over the sequence axes to an uneven length, so the small
+        [B, T] result is gathered over them first."""
+        mesh = _explicit_mesh()
+        shape = (batch, y.shape[0] // batch)
+        if mesh is None:
+            return jnp.reshape(y, shape)[:, :-1]
+        y = jnp.reshape(y, shape, out_sharding=self._act_spec(mesh, 2, self.seq_axes(mesh)))
+        return jax.sharding.reshard(y, self._act_spec(mesh, 2))[:, :-1]
+
     def get_logprobs(self, params: Params, tokens: jax.Array, seq_lens: jax.Array, temperature: float = 1.0) -> jax.Array:
         """[B, T] tokens -> [B, T-1] log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / temperature).
 
         Positions at or past seq_lens-1 are 0. Temperature semantics: see `asyncrl/inference/sampling.py`."""
         h, _ = self.apply(params, tokens, seq_lens, apply_lm_head=False)
-        h = h[:, :-1] / (temperature if temperature > 0 else 1.0)  # [B, T-1, D]; (h / t) @ W == logits / t
-        B, T1, D = h.shape
-        # The fused LM head never materialises [B, T-1, V] logits (the trainer's path, see train/logprobs.py).
-        mesh = _explicit_mesh()
-        flat = jnp.reshape if mesh is None else (
-            lambda a, shape: jnp.reshape(a, shape, out_sharding=self._act_spec(mesh, len(shape))))
-        lp = fused_linear_selection(flat(h, (B * T1, D)), self.lm_head_weight(params), flat(tokens[:, 1:], (B * T1,)),
-                                    _LOGPROB_CHUNK)
-        valid = jnp.arange(T1)[None, :] < (seq_lens[:, None] - 1)
-        return jnp.where(valid, flat(lp, (B, T1)), 0.0)
+        h = h / (temperature if temperature > 0 else 1.0)  # [B, T, D]; (h / t) @ W == logits / t
+        B, T, _ = h.shape
+        # The fused LM head never materialises [B, T, V] logits (the trainer's path, see train/logprobs.py).
+        lp = fused_linear_selection(self.flatten_positions(h), self.lm_head_weight(params),
+                                    self.flatten_positions(self.next_token_targets(tokens)), _LOGPROB_CHUNK)
+        valid = jnp.arange(T - 1)[None, :] < (seq_lens[:, None] - 1)
+        return jnp.where(valid, self.drop_last_position(lp, B), 0.0)
 
     # ---- params helpers -------------------------------------------------------------------------------------
 

@@ -16,7 +16,10 @@ class MeshConfig:
     fsdp: int = -1
     """Fully sharded data parallel: params and optimizer state are split over this axis; the batch too."""
     cp_ulysses: int = 1
-    """Context (sequence) parallel axis, kept for Ulysses attention; only 1 is implemented today."""
+    """Context (sequence) parallel devices, Ulysses style: training activations are split over the sequence, and
+    an all-to-all around attention re-splits them over heads. Cuts activation memory per device, not param or
+    optimizer memory (those are replicated over cp). The model's num_heads and train.pad_to_multiple must be
+    multiples of it, and one cp group must not span hosts. 1 turns it off."""
 
     def __post_init__(self) -> None:
         for k in ("dp", "fsdp", "cp_ulysses"):
@@ -24,8 +27,6 @@ class MeshConfig:
             check(f"sharding.mesh.{k}", v, v == -1 or v >= 1, ">= 1 or -1 (the rest)")
         check("sharding.mesh", (self.dp, self.fsdp, self.cp_ulysses), [self.dp, self.fsdp, self.cp_ulysses].count(-1) <= 1,
               "at most one axis set to -1")
-        check("sharding.mesh.cp_ulysses", self.cp_ulysses, self.cp_ulysses in (1, -1) and not (self.cp_ulysses == -1 and -1 in (self.dp, self.fsdp)),
-              "1 (Ulysses context parallelism is not implemented yet)")
 
     def resolve(self, n_devices: int) -> tuple[int, int, int]:
         sizes = [self.dp, self.fsdp, self.cp_ulysses]

@@ -4,8 +4,16 @@ Mesh axes are ("dp", "fsdp", "cp"), all `AxisType.Explicit`:
 - dp: pure data parallel; params are replicated over it.
 - fsdp: the batch *and* params/optimizer state are split over it; `Model._use` all-gathers a weight right
   before use, and XLA reduce-scatters its gradient back.
-- cp: context (sequence) parallel for Ulysses attention. NOT implemented: the axis is kept (size 1, enforced
-  by `MeshConfig`) so that meshes, checkpoints and configs keep their shape once it is.
+- cp: context (sequence) parallel, Ulysses style. The rules table maps the logical axis "seq" to it, so the
+  sequence dim of the batch's [B, T] leaves and of every training activation [B, T, ...] is split over cp.
+  Around attention an all-to-all swaps that split for a split over heads, attention runs on whole sequences,
+  and a second all-to-all swaps back (`Model._ulysses_to_heads`). Params and optimizer state are replicated
+  over cp (FSDP shards them over fsdp only), so cp cuts activation memory, not state memory; XLA reduces
+  gradients over (dp, fsdp, cp). Constraints: num_heads divides by cp (KV heads need not: they are repeated
+  up to a multiple of cp); a batch's padded length T divides by cp (`shard_batch` raises otherwise: make
+  `train.pad_to_multiple` a multiple of cp); each cp group of devices lies within one process (checked by
+  `make_shardings`; cp is the innermost mesh axis, so on ordinary hosts it does). At cp = 1 nothing is split
+  over it and the layouts are exactly the batch-only ones.
 
 Param shardings come from the one rules table (`asyncrl/sharding/rules.py`): `fsdp_rules` splits each weight's
 `ShardingConfig.fsdp_axis` dimension over "fsdp" when the leaf is at least `min_bytes_for_fsdp` bytes. Norm
@@ -15,6 +23,7 @@ scales have no logical axis besides "layers", so 1-D-per-layer leaves always sta
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -32,7 +41,10 @@ log = logging.getLogger(__name__)
 
 MESH_AXES = ("dp", "fsdp", "cp")
 DATA_AXES = ("dp", "fsdp")
-"""Mesh axes that split the batch (Ulysses would add "cp" to the sequence dim, not to the batch)."""
+"""Mesh axes that split the batch dim. ("cp" splits the sequence dim instead; `asyncrl/train/logprobs.py` keeps
+its own DATA_AXES, with "cp", because it splits flattened [B*T] tokens.)"""
+CP_AXIS = "cp"
+"""The mesh axis that the logical axis "seq" maps to in training (Ulysses context parallelism)."""
 
 
 def make_train_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -50,7 +62,12 @@ def make_train_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None
 
 def train_rules(cfg: ShardingConfig) -> ShardingRules:
     return fsdp_rules(fsdp_axis="fsdp", shard_logical=cfg.fsdp_axis, min_bytes=cfg.min_bytes_for_fsdp,
-                      data_axes=DATA_AXES)
+                      data_axes=DATA_AXES).replace(seq=CP_AXIS)
+
+
+def _seq_axes(mesh: Mesh, cfg: ShardingConfig) -> tuple[str, ...]:
+    """Mesh axes that split the sequence dim in training: "seq"'s axes of size > 1 (empty at cp = 1)."""
+    return tuple(a for a in train_rules(cfg).mesh_axes("seq") if a in mesh.shape and mesh.shape[a] > 1)
 
 
 def trainer_processes(mesh: Mesh) -> list[int]:
@@ -91,10 +108,17 @@ class TrainShardings:
     opt_state_compute: Any  # the same in device memory, where the update runs
     replicated: NamedSharding
     offloaded: bool
+    seq_axes: tuple[str, ...] = ()
+    """Mesh axes that split the sequence dim (dim 1) of [B, T, ...] batch leaves; empty without CP."""
+
+    @property
+    def seq_parallel(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.seq_axes)
 
     def batch(self, ndim: int) -> NamedSharding:
-        """Batch leaves: dim 0 over all data axes, the rest whole."""
-        return NamedSharding(self.mesh, P(DATA_AXES, *([None] * (ndim - 1))))
+        """Batch leaves: dim 0 over all data axes, dim 1 (the sequence) over `seq_axes`, the rest whole."""
+        seq = None if not self.seq_axes else (self.seq_axes[0] if len(self.seq_axes) == 1 else self.seq_axes)
+        return NamedSharding(self.mesh, P(DATA_AXES, *([seq] if ndim > 1 else []), *([None] * (ndim - 2))))
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, params_abstract: Params, param_shardings: Params,
@@ -106,8 +130,22 @@ def opt_state_shardings(tx: optax.GradientTransformation, params_abstract: Param
                                  transform_non_params=lambda _: replicated)
 
 
+def _check_cp_groups_local(mesh: Mesh, axes: tuple[str, ...]) -> None:
+    """`shard_batch` gives each process's rows to its own devices, whole along T; a cp group spanning processes
+    would need rows from two hosts at once."""
+    if not axes:
+        return
+    groups = np.moveaxis(mesh.devices, [mesh.axis_names.index(a) for a in axes], -1)
+    for group in groups.reshape(-1, math.prod(mesh.shape[a] for a in axes)):
+        if len({d.process_index for d in group}) > 1:
+            raise ValueError(f"sharding.mesh.cp_ulysses: the devices of one context-parallel group belong to "
+                             f"processes {sorted({d.process_index for d in group})}; keep cp within one host")
+
+
 def make_shardings(mesh: Mesh, param_shardings: Params, params_abstract: Params,
                    tx: optax.GradientTransformation, cfg: ShardingConfig) -> TrainShardings:
+    seq = _seq_axes(mesh, cfg)
+    _check_cp_groups_local(mesh, seq)
     replicated = NamedSharding(mesh, P())
     opt = opt_state_shardings(tx, params_abstract, param_shardings, replicated)
     offloaded = False
@@ -119,23 +157,27 @@ def make_shardings(mesh: Mesh, param_shardings: Params, params_abstract: Params,
         else:
             log.warning("sharding.opt_state_offload: devices %s have no pinned_host memory; optimizer state stays "
                         "in device memory", mesh.devices.flat[0].platform)
-    return TrainShardings(mesh, param_shardings, stored, opt, replicated, offloaded)
+    return TrainShardings(mesh, param_shardings, stored, opt, replicated, offloaded, seq)
 
 
 def shard_batch(batch: Any, shardings: TrainShardings) -> Any:
     """Each host's local numpy batch (same shapes on every host) -> one global array per leaf.
 
-    The global array is first assembled over *all* mesh axes flattened (a process's rows land on its own
-    devices, in process order, with no transfer), then resharded to the training layout over `DATA_AXES`.
-    Every leaf's dim 0 is the batch; its global size is the local size times the number of processes."""
+    Each process's rows go straight onto its own devices in the training layout (`TrainShardings.batch`), in
+    process order, with no transfer. Every leaf's dim 0 is the batch; its global size is the local size times
+    the number of processes. With context parallelism, dim 1 of leaves with 2+ dims is the sequence and must
+    divide by cp."""
     mesh = shardings.mesh
     n_hosts = len(trainer_processes(mesh))
+    cp = shardings.seq_parallel
 
     def put(x: np.ndarray) -> jax.Array:
         x = np.asarray(x)
-        rest = (None,) * (x.ndim - 1)
-        flat = NamedSharding(mesh, P(MESH_AXES, *rest))
-        global_x = jax.make_array_from_process_local_data(flat, x, (x.shape[0] * n_hosts, *x.shape[1:]))
-        return jax.device_put(global_x, shardings.batch(x.ndim))
+        # Raise rather than pad here: the padded length is a loss normaliser (dr_grpo's constant 1 / (B * T)),
+        # so padding for cp alone would change the loss that cp = 1 computes.
+        if x.ndim > 1 and x.shape[1] % cp:
+            raise ValueError(f"batch length T={x.shape[1]} does not divide over sharding.mesh.cp_ulysses={cp}: "
+                             f"set train.pad_to_multiple to a multiple of {cp}")
+        return jax.make_array_from_process_local_data(shardings.batch(x.ndim), x, (x.shape[0] * n_hosts, *x.shape[1:]))
 
     return jax.tree.map(put, batch)

@@ -1,6 +1,7 @@
 """One jitted optimizer step: full-batch loss inputs, gradient accumulation over micro-batches, AdamW update.
 
-The step sees the *global* batch (sharded over the data axes), so everything it reduces is global:
+The step sees the *global* batch (sharded over the data axes, and along T over "cp" under context parallelism,
+see `train/mesh.py`), so everything it reduces is global:
 1. Advantages and token weights are computed over the whole batch before it is split (losses.py explains why
    the sum of micro-batch losses then equals the full-batch loss).
 2. The batch is cut into `grad_accum_steps` micro-batches `[G, B/G, ...]` and a `lax.scan` sums loss, grads and
@@ -54,22 +55,25 @@ def token_logprobs(model: Model, params: Params, tokens: jax.Array, seq_lens: ja
                    chunk_size: int) -> tuple[jax.Array, jax.Array]:
     """tokens [B, T] -> (logprob of tokens[:, 1:], entropy of that prediction), each [B, T-1] fp32.
 
-    Unlike `Model.get_logprobs`, positions past seq_lens - 1 are not zeroed: the loss mask handles them."""
+    Unlike `Model.get_logprobs`, positions past seq_lens - 1 are not zeroed: the loss mask handles them. Every
+    one of the T positions is scored against its next token (the last against a dummy, then dropped), so that
+    the sequence dim of the activations stays T and still divides over a context-parallel axis."""
     h, _ = model.apply(params, tokens, seq_lens, apply_lm_head=False)  # [B, T, D]
-    B, T, D = h.shape
-    h = scale_for_temperature(h[:, :-1], temperature)  # [B, T-1, D]
-    explicit = _explicit()
-    flat = (lambda x, shape: jnp.reshape(x, shape, out_sharding=_data_spec(len(shape)))) if explicit else jnp.reshape
-    lp, ent = fused_logprobs_and_entropy(flat(h, (B * (T - 1), D)), model.lm_head_weight(params),
-                                         flat(tokens[:, 1:], (B * (T - 1),)), chunk_size)  # [N]
-    return flat(lp, (B, T - 1)), flat(ent, (B, T - 1))
+    h = scale_for_temperature(h, temperature)
+    lp, ent = fused_logprobs_and_entropy(model.flatten_positions(h), model.lm_head_weight(params),
+                                         model.flatten_positions(model.next_token_targets(tokens)),
+                                         chunk_size)  # [B*T]
+    B = tokens.shape[0]
+    return model.drop_last_position(lp, B), model.drop_last_position(ent, B)
 
 
 def split_micro_batches(x: jax.Array, n: int) -> jax.Array:
     """[B, ...] -> [n, B/n, ...]; micro-batch g holds rows g, n+g, 2n+g, ... (no cross-device movement)."""
     B, rest = x.shape[0], x.shape[1:]
     if _explicit():
-        x = jnp.reshape(x, (B // n, n, *rest), out_sharding=_data_spec(x.ndim + 1))
+        # Trailing dims keep their layout: the sequence dim of [B, T] leaves may be split over "cp".
+        spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+        x = jnp.reshape(x, (B // n, n, *rest), out_sharding=P(_data_spec(1)[0], None, *spec[1:x.ndim]))
         return jnp.swapaxes(x, 0, 1)
     return jnp.swapaxes(x.reshape(B // n, n, *rest), 0, 1)
 
@@ -96,9 +100,13 @@ def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_s
     def micro_loss(params: Params, mb: RLBatch) -> tuple[jax.Array, Metrics]:
         with jax.named_scope("logprobs"):
             lp, ent = token_logprobs(model, params, mb.tokens, mb.seq_lens, temperature, chunk_size)  # [b, T-1]
-        mask = mb.loss_mask[:, 1:]
+        # [b, T] fields may be split over "cp"; explicit sharding cannot slice such a dim to T-1, so these small
+        # arrays take the batch-only layout of `lp` first.
+        from_second = lambda x: _reshard(x, _data_spec(2))[:, 1:]  # noqa: E731
+        mask = from_second(mb.loss_mask)
         with jax.named_scope("loss"):
-            loss, metrics = loss_fn(lp, mb.sampler_logprobs[:, 1:], mb.advantages, mb.weights[:, 1:], mask, loss_cfg)
+            loss, metrics = loss_fn(lp, from_second(mb.sampler_logprobs), mb.advantages, from_second(mb.weights),
+                                    mask, loss_cfg)
         metrics = dict(metrics)
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, ent, 0.0))
         metrics["tokens"] = jnp.sum(mb.seq_lens).astype(jnp.float32)

@@ -46,6 +46,11 @@ class Trainer:
             raise ValueError(f"process {jax.process_index()} owns none of the trainer mesh's devices "
                              f"(trainer processes: {self.hosts})")
         self.model = model.with_rules(train_rules(sharding_cfg)).with_remat(train_cfg.remat)
+        cp = self.mesh.shape["cp"]
+        if cp > 1 and (model.cfg.num_heads % cp or train_cfg.pad_to_multiple % cp):
+            raise ValueError(f"sharding.mesh.cp_ulysses={cp} must divide the model's {model.cfg.num_heads} attention "
+                             f"heads and train.pad_to_multiple={train_cfg.pad_to_multiple} (Ulysses splits heads and "
+                             "every padded sequence over cp)")
         self.tx = make_optimizer(train_cfg, model.cfg)
         self.schedule = lr_schedule(train_cfg)
         self.params_abstract = params_lib.shapes(model.cfg, MASTER_DTYPE)
