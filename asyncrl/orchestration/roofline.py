@@ -143,6 +143,54 @@ def _check(name: str, value: float, ok: bool, allowed: str) -> None:
         raise RooflineError(name, f"{name}={value!r} is invalid; allowed: {allowed}")
 
 
+def allocate(alpha: float, beta: float, chips: int, chips_per_host: int | None
+             ) -> tuple[Split, int | None, Split | None, Split | None, int | None, list[str]]:
+    """The best integer splits of `chips` given the chip-seconds one sequence costs to train (alpha) and to
+    generate (beta): by chip, by whole host, and by host with train_workers dividing the hosts (the hop chain).
+    Returns (chip_split, hosts, host_split, valid_host_split, train_workers, warnings)."""
+    share = 1 / (1 + beta / alpha)
+    ideal_throughput = chips / (alpha + beta)
+
+    def split(train_hosts: int | None, train: int, inference_hosts: int | None = None) -> Split:
+        t_train, t_inf = alpha / train, beta / (chips - train)
+        step = max(t_train, t_inf)
+        return Split(
+            train_chips=train,
+            inference_chips=chips - train,
+            train_hosts=train_hosts,
+            inference_hosts=inference_hosts,
+            train_seconds_per_sequence=t_train,
+            inference_seconds_per_sequence=t_inf,
+            sequences_per_second=1 / step,
+            efficiency=(1 / step) / ideal_throughput,
+            bottleneck="train" if t_train >= t_inf else "inference",
+        )
+
+    def best(candidates: list[Split]) -> Split:
+        # The throughput optimum is always one of the two candidates bracketing the fractional optimum, but not
+        # always the nearer one; ties go to the nearer.
+        return max(candidates, key=lambda s: (s.sequences_per_second, -abs(s.train_chips - chips * share)))
+
+    chip_split = best([split(None, x) for x in range(1, chips)])
+    warnings: list[str] = []
+
+    hosts = host_split = valid_split = train_workers = None
+    if chips_per_host is not None:
+        hosts = chips // chips_per_host
+        if hosts < 2:
+            warnings.append(
+                f"{hosts} host: the host-level split (async.train_workers) needs at least 2 hosts; "
+                "only the chip-level split applies"
+            )
+        else:
+            by_hosts = {h: split(h, h * chips_per_host, hosts - h) for h in range(1, hosts)}
+            host_split = best(list(by_hosts.values()))
+            valid_split = best([by_hosts[h] for h in valid_train_workers(hosts)])
+            train_workers = valid_split.train_hosts
+
+    return chip_split, hosts, host_split, valid_split, train_workers, warnings
+
+
 def roofline(
     params: float,
     kv_bytes_per_token: float,
@@ -178,31 +226,8 @@ def roofline(
     beta = lam * t * decode_step / bd
     r = beta / alpha
     share = 1 / (1 + r)
-    ideal_throughput = chips / (alpha + beta)
+    chip_split, hosts, host_split, valid_split, train_workers, warnings = allocate(alpha, beta, chips, chips_per_host)
 
-    def split(train_hosts: int | None, train: int, inference_hosts: int | None = None) -> Split:
-        t_train, t_inf = alpha / train, beta / (chips - train)
-        step = max(t_train, t_inf)
-        return Split(
-            train_chips=train,
-            inference_chips=chips - train,
-            train_hosts=train_hosts,
-            inference_hosts=inference_hosts,
-            train_seconds_per_sequence=t_train,
-            inference_seconds_per_sequence=t_inf,
-            sequences_per_second=1 / step,
-            efficiency=(1 / step) / ideal_throughput,
-            bottleneck="train" if t_train >= t_inf else "inference",
-        )
-
-    def best(candidates: list[Split]) -> Split:
-        # The throughput optimum is always one of the two candidates bracketing the fractional optimum, but not
-        # always the nearer one; ties go to the nearer.
-        return max(candidates, key=lambda s: (s.sequences_per_second, -abs(s.train_chips - chips * share)))
-
-    chip_split = best([split(None, x) for x in range(1, chips)])
-
-    warnings: list[str] = []
     intensity = 2 * p * bd / step_bytes
     if intensity > chip_flops / chip_bandwidth:
         warnings.append(
@@ -220,20 +245,6 @@ def roofline(
                 f"decode_batch={bd} does not fit: 2P + B_d T K = {(2 * p + bd * t * k) / 1e9:.1f} GB exceeds "
                 f"{chip_hbm_bytes / 1e9:.1f} GB of HBM per chip (at most B_d={max_decode_batch})"
             )
-
-    hosts = host_split = valid_split = train_workers = None
-    if chips_per_host is not None:
-        hosts = chips // chips_per_host
-        if hosts < 2:
-            warnings.append(
-                f"{hosts} host: the host-level split (async.train_workers) needs at least 2 hosts; "
-                "only the chip-level split applies"
-            )
-        else:
-            by_hosts = {h: split(h, h * chips_per_host, hosts - h) for h in range(1, hosts)}
-            host_split = best(list(by_hosts.values()))
-            valid_split = best([by_hosts[h] for h in valid_train_workers(hosts)])
-            train_workers = valid_split.train_hosts
 
     return RooflineResult(
         params=p,
@@ -271,7 +282,7 @@ _FLAGS = {
     "params": "--params", "kv_bytes_per_token": "--kv-bytes-per-token", "seq_len": "--seq-len",
     "decode_batch": "--decode-batch", "rollout_fraction": "--rollout-fraction", "chip_flops": "--chip-flops",
     "chip_bandwidth": "--chip-bandwidth", "chips": "--chips", "chips_per_host": "--chips-per-host",
-    "chip_hbm_bytes": "--chip-hbm",
+    "chip_hbm_bytes": "--chip-hbm", "from_aot": "--from-aot",
 }
 
 # (argparse dest, flag, where a preset can supply it)
@@ -306,6 +317,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chip-hbm", type=float, help="HBM bytes per chip, to check that B_d fits (optional)")
     p.add_argument("--chips", type=int, help="A: total chips in the slice")
     p.add_argument("--chips-per-host", type=int, help="chips per host, for the host split (async.train_workers)")
+    p.add_argument("--from-aot", metavar="FILE", help="use the compiled per-step figures that `launch.py aot --out FILE` "
+                   "wrote (train step and decode roofline times) instead of the formulas; --rollout-fraction "
+                   "defaults to 0.5, --chips to the whole slice")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -370,6 +384,14 @@ def main(argv: list[str]) -> int:
     """`launch.py roofline ...`: argparse errors exit with status 2 and name the offending flag."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.from_aot:
+        from asyncrl.aot.split import main as from_aot
+
+        try:
+            return from_aot(args.from_aot, 0.5 if args.rollout_fraction is None else args.rollout_fraction,
+                            args.chips, args.chips_per_host, args.json)
+        except RooflineError as e:
+            parser.error(f"{_FLAGS[e.field]}: {e}")
     values = _resolve(parser, args)
     try:
         res = roofline(**values)

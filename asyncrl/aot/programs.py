@@ -1,0 +1,122 @@
+"""Every program a run executes, built from its config over any device list, without allocating an array.
+
+`build_programs(cfg, devices)` splits the devices by host exactly as the run does (`sharding/roles.py`), builds
+the real `Trainer` and `ReplicaSet` over them (abstractly: no params, no state), and returns one `Program` per
+compiled function the run calls: the train step, the weight-sync cast, the decode loop with row substitution,
+and each prefill bucket. Over a TPU topology's devices (`jax.experimental.topologies`) this is what lets a
+laptop compile for a slice it does not have.
+
+Each program also carries its *ideal*: the work no implementation can avoid, against which the compiled
+figures are judged (`report.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from asyncrl.inference.replicas import ReplicaSet
+from asyncrl.models.sources import model_config
+from asyncrl.models.transformer import Model
+from asyncrl.sharding.roles import split_roles
+from asyncrl.train.batch import round_up
+from asyncrl.train.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    role: str
+    """'trainer' or 'inference': whose chips run it."""
+    chips: int
+    """Chips one call spans (a replica's, or the whole trainer mesh)."""
+    lower: Callable[[], jax.stages.Lowered]
+    tokens: int
+    """Tokens one call processes: batch x length for the train step and prefill, rows for a decode step."""
+    seq_len: int
+    """Sequence length of the call's rows (train: padded T; decode: the cache length; prefill: the bucket)."""
+    per: str
+    """What one call is: 'step' (train), 'call', or 'decode step' (the data-dependent loop counted once)."""
+    ideal_flops: float
+    """Useful FLOPs per chip (train: 6 N tokens; prefill: 2 N tokens)."""
+    ideal_bytes: float
+    """Unavoidable HBM bytes per chip (decode: the weights plus the whole KV cache, read once)."""
+
+
+def matmul_params(model: Model) -> int:
+    """N of 6·N·tokens: the weights that take part in a matmul, i.e. every layer's projections and the LM head
+    (the input embedding is a lookup; norm scales are elementwise)."""
+    c = model.cfg
+    d, h, k, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    per_layer = d * (h + 2 * k) * dh + h * dh * d + 3 * d * c.intermediate_size
+    return c.num_layers * per_layer + d * c.vocab_size
+
+
+def shard_bytes(tree: Any) -> float:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (replicated leaves count whole)."""
+    total = 0.0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+        total += math.prod(shape) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None = None) -> list[Program]:
+    """The run's programs over `devices` (every device of the job, all hosts). `only` keeps the programs whose
+    name starts with one of its entries (e.g. ['train_step', 'decode'])."""
+    # A one-host slice cannot be split by host; it is cut into the config's simulated hosts, as a local run is.
+    single = len({d.process_index for d in devices}) == 1
+    roles = split_roles(devices, cfg.async_.train_workers, hosts=cfg.run.hosts if single else None)
+    model = Model(model_config(cfg.model))
+    n = matmul_params(model)
+    programs: list[Program] = []
+
+    trainer = Trainer(model, cfg.train, cfg.loss, cfg.sharding, devices=roles.trainer_devices,
+                      temperature=cfg.inference.temperature)
+    t_chips = len(roles.trainer_devices)
+    T = round_up(cfg.inference.max_seq_len, cfg.train.pad_to_multiple)
+    train_tokens = cfg.train.train_batch_size * T
+    state = trainer.abstract_state()
+    programs.append(Program(
+        "train_step", "trainer", t_chips, lambda: trainer.lower_step(trainer.abstract_batch(T)), train_tokens, T,
+        "step", 6.0 * n * train_tokens / t_chips, shard_bytes(state)))
+
+    dtype = jnp.dtype(cfg.inference.params_dtype)
+    # The hop chain's first slot is the trainer chips: the sync gathers the cast weights whole onto each of them
+    # (replicated over the trainer mesh: the same bytes per chip as over the slot's 1-D mesh).
+    first_slot = NamedSharding(trainer.mesh, P())
+    cast_bytes = shard_bytes(state["params"]) + model.cfg.num_params() * dtype.itemsize
+    programs.append(Program(
+        "weight_sync_cast", "trainer", t_chips, lambda: trainer.lower_sync_cast(dtype, first_slot), 0, 0, "call", 0.0,
+        cast_bytes))
+
+    tokenizer = None
+    if cfg.inference.reasoning_budget is not None:  # the forced phrase is encoded at build time
+        import tempfile
+
+        from asyncrl.models.sources import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model, tempfile.mkdtemp(prefix="asyncrl-aot-"))
+    replicas = ReplicaSet(model, None, cfg.inference, tokenizer, devices=roles.inference_hosts[0], eos_id=0)
+    engine = replicas.engines[0]
+    e_chips = engine.mesh.devices.size
+    weights = shard_bytes(engine.abstract_params())
+    state_kv = engine.abstract_state().kv
+    programs.append(Program(
+        "decode", "inference", e_chips, engine.lower_decode, cfg.inference.max_decode_batch_size, engine.S,
+        "decode step",
+        2.0 * n * cfg.inference.max_decode_batch_size / e_chips, weights + shard_bytes(state_kv)))
+    for b in engine.prefill_buckets():
+        tokens = cfg.inference.max_prefill_prompts * b
+        programs.append(Program(
+            f"prefill[{b}]", "inference", e_chips, lambda b=b: engine.lower_prefill(b), tokens, b, "call",
+            2.0 * n * tokens / e_chips, weights))
+    if only:
+        programs = [p for p in programs if any(p.name.startswith(o) for o in only)]
+    return programs

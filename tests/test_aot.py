@@ -1,0 +1,206 @@
+"""`launch.py aot`: the run's programs built abstractly over given devices, and compiled for a TPU slice.
+
+The CPU tests check the abstract builders against what a run really allocates. The TPU tests compile for
+v5p:2x2x1 through libtpu (requirements-tpu.txt) and skip when it is not installed."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from asyncrl.config.loader import load_config
+from asyncrl.inference.config import InferenceConfig
+from asyncrl.inference.replicas import ReplicaSet
+from asyncrl.models.config import preset
+from asyncrl.models.transformer import Model
+from asyncrl.sharding.roles import split_roles
+from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
+from asyncrl.train.loss_config import LossConfig
+from asyncrl.train.mesh import shard_batch
+from asyncrl.train.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fake(process_index, id):
+    return SimpleNamespace(process_index=process_index, id=id)
+
+
+def test_split_roles_by_host_and_errors():
+    devs = [_fake(p, 10 * p + i) for p in (2, 0, 1, 3) for i in (1, 0)]
+    r = split_roles(devs, 2)
+    assert [d.id for d in r.trainer_devices] == [0, 1, 10, 11]
+    assert [[d.id for d in h] for h in r.inference_hosts] == [[20, 21], [30, 31]]
+    assert [[d.id for d in s] for s in r.slots()] == [[0, 1, 10, 11], [20, 21, 30, 31]]
+    with pytest.raises(ValueError, match="async.train_workers=3"):
+        split_roles(devs, 3)
+    with pytest.raises(ValueError, match="different device counts"):
+        split_roles(devs[:-1], 1)
+    one_host = [_fake(0, i) for i in range(4)]
+    with pytest.raises(ValueError, match="train_workers=1"):
+        split_roles(one_host, 1)
+    assert [[d.id for d in h] for h in split_roles(one_host, 1, hosts=2).hosts] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="run.hosts=3"):
+        split_roles(one_host, 1, hosts=3)
+
+
+def _tiny_trainer(devices):
+    train = TrainConfig(train_batch_size=8, grad_accum_steps=2)
+    return Trainer(Model(preset("tiny")), train, LossConfig(), ShardingConfig(mesh=MeshConfig(), min_bytes_for_fsdp=0),
+                   devices=devices)
+
+
+def test_trainer_lowers_abstractly_on_the_given_devices():
+    devices = jax.devices()[4:8]
+    live = len(jax.live_arrays())
+    trainer = _tiny_trainer(devices)
+    batch = trainer.abstract_batch(16)
+    assert batch.tokens.shape == (8, 16) and batch.tokens.dtype == jnp.int32 and batch.loss_mask.dtype == jnp.bool_
+    compiled = trainer.lower_step(batch).compile()
+    assert len(jax.live_arrays()) == live  # nothing was allocated to build or compile it
+    assert set(trainer.mesh.devices.flat) == set(devices)
+    assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == set(devices)
+    # The abstract lowering is the program `step` runs on real data: the same StableHLO.
+    trainer.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    real = jax.tree.map(lambda a: np.asarray(rng.integers(0, 2, a.shape)).astype(a.dtype), batch)
+    real.seq_lens = np.full((8,), 16, np.int32)
+    with jax.set_mesh(trainer.mesh):
+        real_lowered = trainer._step_fn.lower(trainer.params, trainer.opt_state, shard_batch(real, trainer.shardings),
+                                              jax.device_put(np.int32(0), trainer.shardings.replicated))
+    assert real_lowered.as_text() == trainer.lower_step(batch).as_text()
+    trainer.step(real)
+    assert trainer.compiled_step_count() == 1
+    cast = trainer.lower_sync_cast(jnp.bfloat16, NamedSharding(trainer.mesh, P())).compile()
+    out_params, _ = cast.output_shardings
+    assert all(s.spec == P() for s in jax.tree.leaves(out_params))
+
+
+def test_replica_set_builds_abstractly_and_matches_the_real_state():
+    devices = jax.devices()[2:4]
+    cfg = InferenceConfig(max_decode_batch_size=4, max_prefill_prompts=2, max_seq_len=32, tp=1)
+    live = len(jax.live_arrays())
+    rs = ReplicaSet(Model(preset("tiny")), None, cfg, None, devices=devices, eos_id=1)
+    assert [list(e.mesh.devices.flat) for e in rs.engines] == [[d] for d in devices]
+    e = rs.engines[1]
+    assert e.prefill_buckets() == [16, 32]
+    abstract = e.abstract_state()
+    e.lower_decode().compile()
+    e.lower_prefill(16).compile()
+    assert len(jax.live_arrays()) == live
+    real = e._new_state()
+    for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
+        assert (a.shape, a.dtype) == (r.shape, r.dtype)
+        assert a.sharding.is_equivalent_to(r.sharding, len(a.shape))
+
+
+# ---- compiled for a TPU slice (libtpu) ------------------------------------------------------------------------
+
+def _has_libtpu() -> bool:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_libtpu = pytest.mark.skipif(not _has_libtpu(), reason="libtpu not installed (pip install -r requirements-tpu.txt)")
+
+
+def _aot(*args, timeout=900):
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "launch.py", "aot", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def tiny_train_step_matmul_flops(cfg) -> float:
+    """Hand count of the tiny preset's train step, all chips: every projection forward and backward (2 + 4
+    FLOPs per weight and token), attention over the whole padded length (QK and PV, forward and backward; the
+    mask does not skip work), and the fused LM head (forward, then a recomputed forward plus the two backward
+    matmuls). No remat in this preset."""
+    m = Model(preset(cfg.model.preset)).cfg
+    B = cfg.train.train_batch_size
+    T = cfg.inference.max_seq_len
+    d, h, k, dh, f, v = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.vocab_size
+    proj = d * (h + 2 * k) * dh + h * dh * d + 3 * d * f
+    attn = 2 * 2 * T * h * dh  # per token: QK^T and PV, 2 FLOPs per multiply-add
+    per_token = m.num_layers * 3 * (2 * proj + attn) + 4 * 2 * d * v
+    return float(B * T * per_token)
+
+
+@needs_libtpu
+def test_cli_compiles_the_tiny_preset_for_v5p_and_counts_flops():
+    out = _aot("--config-name", "tpu_tiny", "--json", "--programs", "train_step,decode")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["program"]: r for r in json.loads(out.stdout)}
+    assert set(rows) == {"train_step", "decode"}
+    for r in rows.values():
+        for key in ("program", "topology", "chips", "peak_bytes_per_chip", "hbm_bytes_per_chip", "fits", "flops",
+                    "hbm_bytes_accessed", "roofline_s", "ideal_s", "tokens"):
+            assert key in r
+        assert r["fits"] and r["topology"] == "v5p:2x2x1"
+        assert 0 < r["peak_bytes_per_chip"] < r["hbm_bytes_per_chip"]
+        assert r["roofline_s"] >= r["ideal_s"] > 0
+    cfg = load_config("tpu_tiny")
+    train = rows["train_step"]
+    assert train["chips"] == 2 and rows["decode"]["chips"] == 1  # 2 simulated hosts of 2 chips; tp=1 replicas
+    hand = tiny_train_step_matmul_flops(cfg)
+    measured = train["matmul_flops"] * train["chips"]
+    assert abs(measured / hand - 1) < 0.10, (measured, hand)
+    assert train["flops"] >= train["matmul_flops"]
+    assert train["tokens"] == cfg.train.train_batch_size * cfg.inference.max_seq_len
+    assert "all-gather" in train["collective_bytes"]  # FSDP gathers its weights: sharding is not a no-op
+
+
+@needs_libtpu
+def test_cli_reports_a_program_that_does_not_fit():
+    out = _aot("--config-name", "tpu_tiny", "--programs", "train_step", "train.train_batch_size=1048576",
+               "train.grad_accum_steps=1")
+    assert out.returncode == 1, out.stderr[-3000:]
+    msg = [line for line in out.stderr.splitlines() if "does not fit" in line]
+    assert msg and msg[0].startswith("train_step does not fit on v5p:2x2x1: needs")
+    assert "short by" in msg[0] and "Largest buffers:" in msg[0] and "GiB)" in msg[0]
+    assert "Traceback" not in out.stderr
+    assert "NO" in out.stdout  # the table still prints, with the row marked
+
+
+def test_cli_rejects_a_bad_topology():
+    out = _aot("--config-name", "tpu_tiny", "--topology", "v5litepod-8", timeout=120)
+    assert out.returncode == 2 and "--topology 'v5litepod-8'" in out.stderr
+
+
+def test_roofline_from_aot_matches_the_formula_on_formula_figures(tmp_path):
+    """Fed compiled figures that equal the blog's formulas, --from-aot picks the formula's split; a bad file is
+    refused naming the flag."""
+    from asyncrl.orchestration.roofline import CHIPS, roofline
+
+    chip, P8, K, T, Bd, lam = CHIPS["v5p"], 8e9, 131072.0, 4096, 44, 0.5
+    ref = roofline(P8, K, T, Bd, lam, chip.flops, chip.bandwidth, 32, 4)
+    train_chips, batch = 16, 64
+    rows = [
+        {"program": "train_step", "topology": "v5p:2x4x4", "chips": train_chips, "tokens": batch * T, "seq_len": T,
+         "fits": True, "roofline_s": 6 * batch * T * P8 / chip.flops / train_chips},
+        {"program": "decode", "topology": "v5p:2x4x4", "chips": 1, "tokens": Bd, "seq_len": T, "fits": True,
+         "roofline_s": (Bd * T * K + 2 * P8) / chip.bandwidth},
+    ]
+    path = tmp_path / "aot.json"
+    path.write_text(json.dumps(rows))
+    out = subprocess.run([sys.executable, "launch.py", "roofline", "--from-aot", str(path), "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["r"] == pytest.approx(ref.r, rel=1e-9)
+    assert res["chip_split"]["train_chips"] == ref.train_chips and res["train_workers"] == ref.train_workers
+    rows[1]["fits"] = False
+    path.write_text(json.dumps(rows))
+    bad = subprocess.run([sys.executable, "launch.py", "roofline", "--from-aot", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--from-aot" in bad.stderr and "decode does not fit" in bad.stderr
