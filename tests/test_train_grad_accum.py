@@ -84,3 +84,25 @@ def test_remat_gives_the_same_update_with_less_activation_memory(trainer):
             c = f.lower(trainer.params, trainer.opt_state, shard_batch(long, trainer.shardings), jnp.int32(0)).compile()
         return c.memory_analysis().temp_size_in_bytes
     assert temp_bytes(remat) < temp_bytes(trainer.model)
+
+
+def test_bf16_compute_keeps_fp32_master_state_and_tracks_the_fp32_update(trainer):
+    """train.compute_dtype=bfloat16: the matmuls run in bf16 (they are in the compiled program), the params and
+    optimizer state stay fp32, and the gradient stays close to the fp32 one."""
+    loss_cfg = LossConfig()
+    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), 0, loss_cfg, pad_to_multiple=16)
+    fn = make_train_step(trainer.model, trainer.tx, loss_cfg, trainer.schedule, trainer.shardings, 1,
+                         trainer.temperature, chunk_size=64, compute_dtype=jnp.bfloat16)
+    params = jax.tree.map(jnp.copy, trainer.params)
+    opt_state = jax.tree.map(jnp.copy, trainer.opt_state)
+    with jax.set_mesh(trainer.mesh):
+        sharded = shard_batch(batch, trainer.shardings)
+        hlo = fn.lower(params, opt_state, sharded, jnp.int32(0)).as_text()
+        p16, o16, m16 = fn(params, opt_state, sharded, jnp.int32(0))
+    p32, _, m32 = _step(trainer, loss_cfg, 1, batch)
+    assert "bf16" in hlo and any("dot_general" in line and "bf16" in line for line in hlo.splitlines())
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(p16))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(o16) if jnp.issubdtype(x.dtype, jnp.floating))
+    g16, g32 = float(m16["grad_norm"]), float(m32["grad_norm"])
+    assert g32 > 0 and abs(g16 / g32 - 1) < 0.05, (g16, g32)
+    np.testing.assert_allclose(float(m16["loss"]), float(m32["loss"]), rtol=0.05, atol=1e-3)

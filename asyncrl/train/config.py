@@ -81,7 +81,12 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Global-norm gradient clipping threshold (0 disables)."""
     logprob_chunk_size: int = 1024
-    """Tokens per chunk in the fused LM-head logprob scan (bounds the [chunk, V] temporary)."""
+    """Tokens per chip per chunk of the fused LM-head logprob scan: bounds each chip's [chunk, V] fp32 temporary.
+    Each chunk re-reads the whole gathered LM head, so larger chunks mean less HBM traffic."""
+    compute_dtype: str = "float32"
+    """Dtype of the forward and backward matmuls. Master params and optimizer state stay fp32 either way (cast on
+    their FSDP shards, so the weight all-gathers move this dtype too); 'bfloat16' is the TPU choice, float32 the
+    CPU one (XLA:CPU has no fast bf16 matmul). Norms, softmax and the LM head's log-softmax run in fp32."""
     remat: bool = False
     """Recompute each layer's activations in the backward pass (activation checkpointing): memory for one
     layer's activations instead of all of them, for ~1/3 more compute. Needed for long sequences and big models."""
@@ -111,6 +116,7 @@ class TrainConfig:
         check("train.max_grad_norm", self.max_grad_norm, self.max_grad_norm >= 0, ">= 0")
         check("train.logprob_chunk_size", self.logprob_chunk_size, self.logprob_chunk_size >= 1, ">= 1")
         check("train.pad_to_multiple", self.pad_to_multiple, self.pad_to_multiple >= 1, ">= 1")
+        check_choice("train.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
         check("train.format_warmstart_steps", self.format_warmstart_steps, self.format_warmstart_steps >= 0, ">= 0")
         check("train.format_warmstart_lr", self.format_warmstart_lr, self.format_warmstart_lr > 0, "> 0")
         check("train.format_warmstart_batch", self.format_warmstart_batch, self.format_warmstart_batch >= 1, ">= 1")

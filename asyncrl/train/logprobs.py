@@ -13,8 +13,9 @@ backward pass instead of saving it, so peak memory is O(C * V) rather than O(N *
 
 Sharding. When the ambient mesh (`jax.set_mesh` / `jax.sharding.use_mesh`) has any of the data axes
 `DATA_AXES`, every chunk is split over all of them: the chunked hidden states are constrained to
-`P(None, DATA, None)`, targets to `P(None, DATA)`, and W is gathered (`P()`). `chunk_size` therefore counts
-tokens over the whole data mesh; each device holds `chunk_size / n_data` rows of a chunk. Explicit axes are
+`P(None, DATA, None)`, targets to `P(None, DATA)`, and W is gathered (`P()`). `chunk_size` counts tokens per
+device: a chunk holds `chunk_size` rows on every data shard (W is read once per chunk, so chunks are sized per
+chip), and W's gradient is summed straight onto W's own sharding (a reduce-scatter under FSDP). Explicit axes are
 constrained with `jax.sharding.reshard` (in jax 0.10 `with_sharding_constraint` only asserts under explicit
 axes), auto axes with `with_sharding_constraint`. Without such a mesh it runs as plain single-device code.
 
@@ -40,9 +41,11 @@ from jax.sharding import PartitionSpec as P
 DATA_AXES = ("dp", "fsdp", "cp")
 
 # Casting to fp32 is not enough on TPU (and on GPUs with TF32): the default precision of an f32 matmul there is a
-# single bf16 (TF32) pass. The forward and the backward's recomputation must also agree, or the recomputed
-# softmax no longer sums to one against the saved log-normaliser.
-LM_HEAD_PRECISION = jax.lax.Precision.HIGHEST
+# single bf16 (TF32) pass, whose logprob error (~1e-2 at Qwen-sized logits) would swamp the importance ratio.
+# HIGH (three bf16 passes, ~2^-16 relative) is within ~1e-4 of fp32 (tests/test_lm_head_precision.py emulates
+# both), at half the cost of HIGHEST's six passes. The forward and the backward's recomputation use the same
+# precision, so the recomputed softmax still sums to one against the saved log-normaliser.
+LM_HEAD_PRECISION = jax.lax.Precision.HIGH
 
 
 def scale_for_temperature(h: jax.Array, temperature: float | jax.Array) -> jax.Array:
@@ -131,7 +134,9 @@ def _geometry(n_tokens: int, chunk_size: int, n_shards: int) -> _Geometry:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     rows = -(-n_tokens // n_shards)
-    local = max(1, -(-min(chunk_size, rows * n_shards) // n_shards))
+    # Per shard, not over the mesh: each chunk re-reads the whole gathered W (and the backward re-writes its
+    # gradient), so a chunk must be as large per chip as memory allows, whatever the number of chips.
+    local = max(1, min(chunk_size, rows))
     num_chunks = -(-rows // local)
     # Spread the rows evenly over the chunks so that padding is below one row per chunk and shard.
     local = -(-rows // num_chunks)
@@ -198,6 +203,13 @@ def _prepare(h: jax.Array, W: jax.Array, targets: jax.Array, chunk_size: int):
     return layout, geo, h_c, t_c, W32
 
 
+def _sum_onto(x: jax.Array, like: jax.Array, layout: _DataLayout) -> jax.Array:
+    """[n, ...] split over the data axes -> sum over n, laid out like `like`."""
+    if not (layout.axes and layout.explicit):
+        return layout.constrain(jnp.sum(x, axis=0), P())
+    return jnp.einsum("n...->...", x, out_sharding=jax.typeof(like).sharding.spec)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _fused(h, W, targets, chunk_size, with_entropy):
     return _fused_fwd(h, W, targets, chunk_size, with_entropy)[0]
@@ -245,7 +257,9 @@ def _fused_bwd(chunk_size, with_entropy, residuals, cotangents):
 
         dW_n0 = layout.constrain(jnp.zeros((n, D, V), jnp.float32), P(data, None, None))
         dW_n, dh_c = jax.lax.scan(body, dW_n0, (h_c, t_c, lse_c, dy_c))
-        dW = layout.constrain(jnp.sum(dW_n, axis=0), P())  # [D, V]
+        # Summed straight onto W's own layout: a reduce-scatter, where summing to a replicated [D, V] and slicing
+        # it would all-reduce the whole fp32 gradient.
+        dW = _sum_onto(dW_n, W, layout)  # [D, V]
         dh = _from_chunks(dh_c, geo, layout)  # [N, D]
     dh = layout.match(dh.astype(h.dtype), h)
     dW = layout.match(dW.astype(W.dtype), W)
@@ -259,8 +273,8 @@ def fused_linear_selection(h: jax.Array, W: jax.Array, targets: jax.Array, chunk
     """`log_softmax(h @ W)[i, targets[i]]` for h [N, D], W [D, V], targets [N] int -> [N] float32.
 
     Differentiable in h and W (gradients come back in their dtypes and shardings). `chunk_size` is the number of
-    tokens per scan step over the whole data mesh. Extra memory per device is two or three
-    [chunk_size / n_data, V] fp32 buffers, plus fp32 copies of W and of its gradient when W is not fp32.
+    tokens per scan step on each data shard. Extra memory per device is two or three [chunk_size, V] fp32
+    buffers, plus fp32 copies of W and of its gradient when W is not fp32.
     """
     return _fused(h, W, targets, chunk_size, False)[0]
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from asyncrl.models import params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
 from asyncrl.train.batch import RLBatch
@@ -93,11 +94,16 @@ def with_global_loss_inputs(batch: RLBatch, loss_cfg: LossConfig) -> RLBatch:
     return dataclasses.replace(batch, advantages=_reshard(adv, _data_spec(1)), weights=_reshard(weights, _data_spec(2)))
 
 
-def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_size: int
-                 ) -> Callable[[Params, RLBatch], tuple[jax.Array, Metrics]]:
+def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_size: int,
+                 compute_dtype: Any = None) -> Callable[[Params, RLBatch], tuple[jax.Array, Metrics]]:
+    """The micro-batch loss. With `compute_dtype`, the (fp32 master) params are cast first: on their FSDP shards,
+    so each layer's all-gather and matmuls run in that dtype, and the gradient comes back through the cast in
+    the master dtype."""
     loss_fn = get_loss(loss_cfg.name)
 
     def micro_loss(params: Params, mb: RLBatch) -> tuple[jax.Array, Metrics]:
+        if compute_dtype is not None:
+            params = params_lib.cast(params, compute_dtype)
         with jax.named_scope("logprobs"):
             lp, ent = token_logprobs(model, params, mb.tokens, mb.seq_lens, temperature, chunk_size)  # [b, T-1]
         # [b, T] fields may be split over "cp"; explicit sharding cannot slice such a dim to T-1, so these small
@@ -117,9 +123,10 @@ def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_s
 
 def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
                grad_accum_steps: int, temperature: float, chunk_size: int, params: Params, opt_state: Any,
-               batch: RLBatch, step: jax.Array, opt_state_compute: Any = None) -> tuple[Params, Any, Metrics]:
+               batch: RLBatch, step: jax.Array, opt_state_compute: Any = None, compute_dtype: Any = None
+               ) -> tuple[Params, Any, Metrics]:
     """The unjitted step (see `make_train_step`). `opt_state_compute` moves an offloaded state into device memory."""
-    micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size)
+    micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size, compute_dtype)
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     with jax.named_scope("loss_inputs"):
         batch = with_global_loss_inputs(batch, loss_cfg)
@@ -146,7 +153,8 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
 
 
 def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
-                    shardings: TrainShardings, grad_accum_steps: int, temperature: float, chunk_size: int) -> StepFn:
+                    shardings: TrainShardings, grad_accum_steps: int, temperature: float, chunk_size: int,
+                    compute_dtype: Any = None) -> StepFn:
     """`step_fn(params, opt_state, global_batch, step) -> (params, opt_state, metrics)`, jitted, state donated.
 
     Must be called under `jax.set_mesh(shardings.mesh)`. `step` (int32 scalar) is the optimizer step about to be
@@ -156,6 +164,6 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: Lo
     compute = shardings.opt_state_compute if shardings.offloaded else None
     fn = lambda params, opt_state, batch, step: train_step(  # noqa: E731
         model, tx, loss_cfg, schedule, grad_accum_steps, temperature, chunk_size, params, opt_state, batch, step,
-        compute)
+        compute, compute_dtype)
     return jax.jit(fn, donate_argnums=(0, 1),
                    out_shardings=(shardings.params, shardings.opt_state, shardings.replicated))

@@ -61,8 +61,10 @@ class Trainer:
         if micro % n_data:
             raise ValueError(f"train.train_batch_size / train.grad_accum_steps = {micro} sequences per micro-batch "
                              f"must divide over the {n_data} data-parallel devices (dp x fsdp)")
+        compute = None if train_cfg.compute_dtype == "float32" else jnp.dtype(train_cfg.compute_dtype)
         self._step_fn = make_train_step(self.model, self.tx, loss_cfg, self.schedule, self.shardings,
-                                        train_cfg.grad_accum_steps, temperature, train_cfg.logprob_chunk_size)
+                                        train_cfg.grad_accum_steps, temperature, train_cfg.logprob_chunk_size,
+                                        compute)
         self.params: Params | None = None
         self.opt_state: Any = None
         self._cast_fns: dict[Any, Any] = {}
