@@ -43,7 +43,12 @@ stay in HBM the two agree exactly. Where XLA prefetches an argument into VMEM be
 and source alias) besides the copy-done's output, so its figure is about `hbm_bytes` + VMEM bytes + twice
 the prefetched bytes; `hbm_bytes` is the same with or without the prefetch.
 
-A loop whose trip count cannot be read is weighted 1 and named in `unknown_trip_counts`.
+A loop whose trip count is data-dependent (a `fori_loop` up to a traced bound) cannot be read. Where it runs under
+a named scope `worst_case_trips_<n>` (its while's `op_name` metadata contains that), it is weighted by n: the
+code that opens the scope states the loop's largest trip count (cached attention's loop over KV blocks, which
+stops at the longest live row: n = blocks in the whole cache, see `models/attention.py`), so the figures stay an
+upper bound per call. Such loops are named in `assumed_trip_counts`. Any other loop whose trip count cannot be
+read is weighted 1 and named in `unknown_trip_counts`.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ _LEAF = re.compile(r"([a-z][a-z0-9]*)\[([0-9,\s]*)\](?:\{([^}]*)\})?")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_WORST_CASE = re.compile(r'op_name="[^"]*worst_case_trips_(\d+)/while"')
 _FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
 
 
@@ -103,6 +109,7 @@ class ProgramCost:
     collective_bytes: dict[str, float]  # kind -> payload bytes
     loops: tuple[Loop, ...]
     unknown_trip_counts: tuple[str, ...]  # while instructions weighted 1 for want of a trip count
+    assumed_trip_counts: tuple[str, ...] = ()  # data-dependent loops weighted by their scope's stated worst case
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -289,6 +296,7 @@ class _Analyzer:
     def __init__(self, hlo_text: str) -> None:
         self.comps = parse_hlo(hlo_text)
         self._memo: dict[tuple[str, str], Any] = {}
+        self.assumed: list[str] = []
         self.entry = next((c for c in self.comps.values() if c.is_entry), None)
         if self.entry is None:
             raise ValueError("HLO text has no ENTRY computation")
@@ -417,6 +425,10 @@ class _Analyzer:
                 continue
             if op == "while":
                 trip = self.trip_count(comp, ins)
+                worst = _WORST_CASE.search(ins.attrs)
+                if trip is None and worst:
+                    trip = int(worst.group(1))
+                    self.assumed.append(ins.name)
                 acc.loops.append(Loop(ins.name, trip, depth))
                 body, cond = ins.callees()
                 acc.add(self.walk(body, depth + 1), 1 if trip is None else trip)
@@ -519,15 +531,16 @@ class _Analyzer:
 
 def analyze_hlo(hlo_text: str) -> ProgramCost:
     """Loop-weighted per-chip cost of the program in `hlo_text` (see the module docstring)."""
-    acc = _Analyzer(hlo_text)
-    acc = acc.walk(acc.entry.name)
+    analyzer = _Analyzer(hlo_text)
+    acc = analyzer.walk(analyzer.entry.name)
     c = acc.c
     return ProgramCost(
         flops=c.get("flops", 0.0), matmul_flops=c.get("matmul_flops", 0.0),
         transcendentals=c.get("transcendentals", 0.0), hbm_bytes=c.get(("mem", 0), 0.0),
         other_memory_bytes={k[1]: v for k, v in c.items() if k[0] == "mem" and k[1] != 0},
         collective_bytes={k[1]: v for k, v in c.items() if k[0] == "coll"},
-        loops=tuple(acc.loops), unknown_trip_counts=tuple(lp.name for lp in acc.loops if lp.trip_count is None))
+        loops=tuple(acc.loops), unknown_trip_counts=tuple(lp.name for lp in acc.loops if lp.trip_count is None),
+        assumed_trip_counts=tuple(analyzer.assumed))
 
 
 def analyze(compiled: Any) -> ProgramCost:

@@ -60,8 +60,8 @@ class EngineStats:
     calls: int = 0
     finished: int = 0
     generated_tokens: int = 0
-    decode_time: float = 0.0
-    prefill_time: float = 0.0
+    decode_time: float = 0.0  # seconds of decode loops, dispatch to device completion
+    prefill_time: float = 0.0  # seconds of prefills, dispatch to device completion
     extra: dict = field(default_factory=dict)
 
 
@@ -94,7 +94,9 @@ class Engine:
         if cfg.reasoning_budget is not None:
             self.phrase = self._think_phrase()
         self._lock = threading.Lock()
-        self.params = params
+        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+        self._cpu = all(d.platform == "cpu" for d in devices)
+        self.params = self._prepare(params)
         self.version = version
         self.between_loops: Callable[[], None] = lambda: None
         self.stats = EngineStats()
@@ -118,8 +120,24 @@ class Engine:
 
     def set_params(self, params: Any, version: int) -> None:
         """Swap weights; rows in flight continue with the new ones (their versions record the boundary)."""
+        params = self._prepare(params)
         with self._lock:
             self.params, self.version = params, version
+
+    def _prepare(self, params: Any) -> Any:
+        """The weights as this replica decodes with them. On the CPU, bf16/f16 leaves become f32 once per weight
+        sync: XLA:CPU has no fast half-precision matmul and would otherwise convert every layer's weights on
+        every step. Other backends decode with the trainer's tree as it is."""
+        if params is None or not self._cpu:
+            return params
+        if all(x.dtype not in (jnp.bfloat16, jnp.float16) for x in jax.tree.leaves(params)):
+            return params
+        cast = jax.jit(lambda p: jax.tree.map(
+            lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, p))
+        if self.mesh is None:
+            return cast(params)
+        with jax.set_mesh(self.mesh):
+            return cast(params)
 
     def _think_phrase(self) -> list[int]:
         if self.tokenizer is None:
@@ -165,7 +183,7 @@ class Engine:
 
     def _empty(self, rows: int, key: jax.Array, split_rows: bool = True) -> DecodeState:
         c = self.model.cfg
-        kv_shape = (c.num_layers, rows, self.S, c.num_kv_heads, c.head_dim)
+        kv_shape = (c.num_layers, rows, c.num_kv_heads, self.S, c.head_dim)
         z = jnp.zeros(kv_shape, self.kv_dtype)
         state = DecodeState(
             next_token=jnp.zeros((rows,), jnp.int32),
@@ -196,7 +214,7 @@ class Engine:
             rows, width = tokens.shape
             state = self._empty(rows, jnp.zeros((2,), jnp.uint32), split_rows=False)
             kv = state.kv
-            _, kv = self.model.apply(params, tokens, jnp.maximum(lens - 1, 0), kv, apply_lm_head=False)
+            _, kv = self.model.prefill(params, tokens, jnp.maximum(lens - 1, 0), kv)
             last = jnp.take_along_axis(tokens, jnp.maximum(lens - 1, 0)[:, None], axis=1)[:, 0]
             out = jax.lax.dynamic_update_slice_in_dim(state.tokens, tokens, 0, axis=1)
             state.kv, state.next_token, state.tokens, state.prompt_len = kv, last, out, lens
@@ -403,6 +421,7 @@ class Engine:
                 state = self._prefill(params, jax.device_put(toks, rep), jax.device_put(lens, rep))
         else:
             state = self._prefill(params, jnp.asarray(toks), jnp.asarray(lens))
+        jax.block_until_ready(state.kv)
         self.stats.prefill_time += time.perf_counter() - t0
         return state
 
@@ -471,6 +490,9 @@ class Engine:
         else:
             with jax.set_mesh(self.mesh):
                 self._state, row = self._decode(*args)
+        # Dispatch returns before the device has run the loop: wait for it, so that decode_time (and the
+        # decode_tokens_per_s metric built on it) is device time, not enqueue time.
+        row.steps.block_until_ready()
         self.stats.decode_time += time.perf_counter() - t0
         self.stats.calls += 1
         free = self.B - self._in_flight

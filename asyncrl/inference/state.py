@@ -1,7 +1,7 @@
 """Fixed-shape decode state, and the row operations of continuous batching on it.
 
 The same pytree holds a prefill batch ([P] rows) and the in-flight decode batch ([B] rows). Every field has the
-row (batch) axis first except the KV cache, whose leaves are [L, B, S, K, Dh].
+row (batch) axis first except the KV cache, whose leaves are [L, B, K, S, Dh].
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from asyncrl.models.kvcache import KVCache
 @dataclass
 class DecodeState:
     next_token: Any  # [B] int32: token fed at the next step (written to the cache at kv.length)
-    kv: KVCache  # k, v [L, B, S, K, Dh]; length [B]
+    kv: KVCache  # k, v [L, B, K, S, Dh]; length [B]
     key: Any  # [2] uint32 base PRNG key (from the engine seed)
     row_key: Any  # [B, 2] uint32: per-sample key, fold_in(fold_in(key, request uid), sample index)
     tokens: Any  # [B, S] int32: prompt + generated tokens

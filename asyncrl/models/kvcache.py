@@ -1,4 +1,9 @@
-"""Fixed-shape KV cache: allocated once, written in place by row, donated through jitted loops."""
+"""Fixed-shape KV cache: allocated once, written in place by row, donated through jitted loops.
+
+Leaves are [L, B, K, S, Dh] (see `attention.py`: the layout attention reads without a transpose). A forward
+returns only its new tokens' K/V ([L, B, K, T, Dh]) from the layer loop and `write_new` puts them in once, so
+the loop never copies a layer's cache out and back.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +11,61 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 # Logical axes of the cache leaves, for the sharding rules table.
-KV_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+KV_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 LENGTH_AXES = ("batch",)
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    k: Any  # [L, B, S, K, Dh]
-    v: Any  # [L, B, S, K, Dh]
+    k: Any  # [L, B, K, S, Dh]
+    v: Any  # [L, B, K, S, Dh]
     length: Any  # [B] int32: valid positions per row; the next token of row b is written at length[b]
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
-def write_rows(cache_l: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Write new[b] ([T, K, Dh]) into cache_l[b] ([S, K, Dh]) at row offset start[b], for every row b."""
+def write_new(cache_k: jax.Array, cache_v: jax.Array, new_k: jax.Array, new_v: jax.Array, start: jax.Array
+              ) -> tuple[jax.Array, jax.Array]:
+    """Write new[:, b] ([L, K, T, Dh]) into cache[:, b] ([L, K, S, Dh]) at position start[b], for every row b.
+
+    A loop of in-place dynamic-update-slices over the rows a device holds. A batched scatter is what XLA makes
+    of a vmapped update, and TPU lowers it through a batch-major copy of the whole cache: two transposes of
+    every layer per step."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.explicit_axes:
-        # The update must be laid out like the cache (batch rows and KV heads on the same devices).
-        new = jax.sharding.reshard(new, jax.typeof(cache_l).sharding.spec)
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0))(cache_l, new, start)
+    new_k, new_v = new_k.astype(cache_k.dtype), new_v.astype(cache_v.dtype)
+    if mesh.empty or not mesh.explicit_axes:
+        return _write_rows(cache_k, cache_v, new_k, new_v, start)
+    spec = jax.typeof(cache_k).sharding.spec
+    rows = P(spec[1])
+    new_k, new_v = jax.sharding.reshard(new_k, spec), jax.sharding.reshard(new_v, spec)
+    return jax.shard_map(_write_rows, mesh=mesh, in_specs=(spec, spec, spec, spec, rows), out_specs=(spec, spec)
+                         )(cache_k, cache_v, new_k, new_v, jax.sharding.reshard(start, rows))
+
+
+def write_prefix(cache_k: jax.Array, cache_v: jax.Array, new_k: jax.Array, new_v: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Write new [L, B, K, T, Dh] at positions 0..T-1 of every row (a prefill into empty rows)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    out = []
+    for c, n in ((cache_k, new_k), (cache_v, new_v)):
+        n = n.astype(c.dtype)
+        if not mesh.empty and mesh.explicit_axes:
+            n = jax.sharding.reshard(n, jax.typeof(c).sharding.spec)
+        out.append(jax.lax.dynamic_update_slice(c, n, (0, 0, 0, 0, 0)))
+    return out[0], out[1]
+
+
+def _write_rows(cache_k: jax.Array, cache_v: jax.Array, new_k: jax.Array, new_v: jax.Array, start: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    def row(b: jax.Array, caches: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        at = (0, b, 0, start[b], 0)
+        return tuple(jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(n, b, 1, axis=1), at)
+                     for c, n in zip(caches, (new_k, new_v)))
+
+    return jax.lax.fori_loop(0, cache_k.shape[1], row, (cache_k, cache_v))

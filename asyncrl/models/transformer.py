@@ -7,7 +7,9 @@ Sequence semantics (shared by training, prefill and decode):
 - `x` is right-padded; `sequence_lens[b]` is the number of valid tokens of row b in *this call*.
 - Without a cache, row b's tokens sit at positions 0..sequence_lens[b]-1.
 - With a cache, they are written at positions cache.length[b] + t and the cache length grows by
-  sequence_lens[b]. A prefill is the same call on an empty cache; a decode step is a call with T=1.
+  sequence_lens[b]. Attention reads the cache's written prefix in blocks and the call's own K/V directly
+  (`attention.cached_attention`); the layer loop returns only the new K/V, written once after it. A decode step
+  is a call with T=1. `prefill` fills empty rows from position 0 and attends only over the prompt bucket.
 
 Context parallelism (Ulysses). When the sharding rules map the logical axis "seq" onto mesh axes of size > 1
 (the trainer's "cp"), a cache-free forward keeps every [B, T, ...] activation split over T. Around attention an
@@ -25,18 +27,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from asyncrl.models import params as params_lib
 from asyncrl.models.config import ModelConfig
-from asyncrl.models.kvcache import KV_AXES, LENGTH_AXES, KVCache, write_rows
+from asyncrl.models.attention import attention, cached_attention
+from asyncrl.models.kvcache import KV_AXES, LENGTH_AXES, KVCache, write_new, write_prefix
 from asyncrl.models.params import LayerParams, Params
 from asyncrl.models.rope import apply_rope, rope_tables
 from asyncrl.sharding.rules import ShardingRules
 from asyncrl.train.logprobs import fused_linear_selection
 
-_NEG_INF = -1e30
 _LOGPROB_CHUNK = 1024  # tokens per fused LM-head chunk in `get_logprobs`: bounds the [chunk, V] fp32 temporary
 
 
@@ -45,31 +46,6 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return scale.astype(x.dtype) * xf.astype(x.dtype)
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
-    """GQA attention. q: [B, T, H, Dh]; k, v: [B, S, K, Dh]; q_pos: [B, T]; kv_len: [B]. -> [B, T, H, Dh].
-
-    Key j of row b is visible to query t iff j <= q_pos[b, t] (causal) and j < kv_len[b] (written)."""
-    B, T, H, Dh = q.shape
-    S, K = k.shape[1], k.shape[2]
-    m = jax.sharding.get_abstract_mesh()
-    if not m.empty and m.explicit_axes:
-        # Query heads are grouped under their KV head: lay them out like k (KV heads split over tp, or whole
-        # when there are fewer KV heads than tp devices).
-        b_spec, _, kv_spec, _ = jax.typeof(k).sharding.spec
-        if kv_spec is None:
-            q = jax.sharding.reshard(q, P(b_spec, None, None, None))
-        qg = q.reshape(B, T, K, H // K, Dh, out_sharding=P(b_spec, None, kv_spec, None, None))
-    else:
-        qg = q.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(Dh)
-    j = jnp.arange(S)
-    visible = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])  # [B, T, S]
-    scores = jnp.where(visible[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, H, Dh)
 
 
 def _explicit_mesh():
@@ -101,13 +77,15 @@ class Model:
     cfg: ModelConfig
     rules: ShardingRules | None = None
     remat: bool = False
+    kv_block: int = 512
+    """Cache positions per block of cached attention: a step reads the longest live row rounded up to this."""
 
     # ---- caches ---------------------------------------------------------------------------------------------
 
     def init_kv_cache(self, batch: int, length: int, dtype: Any = jnp.float32, sharding: Any = None) -> KVCache:
         """Zeroed cache of `length` positions. `sharding` is a KVCache of shardings, a mesh (rules apply), or None."""
         c = self.cfg
-        shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, batch, c.num_kv_heads, length, c.head_dim)
         if isinstance(sharding, jax.sharding.Mesh):
             sharding = self.kv_cache_sharding(sharding, batch, length, dtype)
 
@@ -122,7 +100,7 @@ class Model:
     def kv_cache_sharding(self, mesh: jax.sharding.Mesh, batch: int, length: int, dtype: Any = jnp.float32) -> KVCache:
         rules = self.rules or ShardingRules()
         c = self.cfg
-        shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, batch, c.num_kv_heads, length, c.head_dim)
         kv = rules.sharding(mesh, KV_AXES, shape, name="kv_cache")
         return KVCache(k=kv, v=kv, length=rules.sharding(mesh, LENGTH_AXES, (batch,), name="kv_cache.length"))
 
@@ -193,6 +171,20 @@ class Model:
         new = P(*[_drop_axes(e, drop) for e in spec])
         return w if tuple(new) == tuple(spec) else jax.sharding.reshard(w, new)
 
+    def _project_heads(self, a: jax.Array, w: jax.Array) -> jax.Array:
+        """[B, T, D] x [D, N, Dh] -> [B, T, N, Dh] as one [D, N*Dh] matmul. Given the 4-D einsum, TPU relayouts
+        the whole stacked [L, D, N, Dh] weight to head-major on every decode call (3 GB per call for an 8B
+        model); the merged 2-D weight is already in the layout its matmul reads."""
+        B, T, _ = a.shape
+        D, N, Dh = w.shape
+        mesh = _explicit_mesh()
+        if mesh is None:
+            return jnp.einsum("btd,dn->btn", a, w.reshape(D, N * Dh)).reshape(B, T, N, Dh)
+        w_spec, a_spec = jax.typeof(w).sharding.spec, jax.typeof(a).sharding.spec
+        w2 = w.reshape(D, N * Dh, out_sharding=P(w_spec[0], w_spec[1]))
+        y = jnp.einsum("btd,dn->btn", a, w2, out_sharding=P(a_spec[0], a_spec[1], w_spec[1]))
+        return y.reshape(B, T, N, Dh, out_sharding=P(a_spec[0], a_spec[1], w_spec[1], None))
+
     def _contract(self, eq: str, x: jax.Array, w: jax.Array, seq: tuple[str, ...] = (), **kw: Any) -> jax.Array:
         mesh = _explicit_mesh()
         if mesh is None:
@@ -211,6 +203,42 @@ class Model:
         apply_lm_head: bool = True,
     ) -> tuple[jax.Array, KVCache | None]:
         """x: [B, T] int, sequence_lens: [B]. Returns (logits [B, T, V] fp32 or hidden [B, T, D], new cache)."""
+        return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, attend_cache=True)
+
+    def prefill(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache,
+                apply_lm_head: bool = False) -> tuple[jax.Array, KVCache]:
+        """`apply` from position 0, into a cache whose rows hold nothing yet (their lengths are ignored):
+        attention runs over the call's own tokens (the prompt bucket), never over the cache, and their K/V are
+        written at positions 0..T-1 with one dynamic-update-slice."""
+        out, cache = self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, attend_cache=False)
+        return out, cache  # type: ignore[return-value]
+
+    def _embed(self, embed: jax.Array, x: jax.Array, mesh: Any, seq: tuple[str, ...]) -> jax.Array:
+        """[B, T] ids -> [B, T, D] rows of the table, in the activation layout."""
+        if mesh is None:
+            return jnp.take(embed, x, axis=0)
+        x = jax.sharding.reshard(x, self._act_spec(mesh, 2, seq))
+        embed = self._use(embed)
+        vocab, width = jax.typeof(embed).sharding.spec
+        if vocab is None or width is not None:  # the lookup wants the whole table
+            embed = jax.sharding.reshard(embed, P())
+            return embed.at[x].get(out_sharding=self._act_spec(mesh, 3, seq))
+        # Vocab split over model axes (tp): each device looks up the ids it holds and a psum of the [B, T, D]
+        # rows (one nonzero term each, so exact) replaces an all-gather of the whole table on every call.
+        axes = (vocab,) if isinstance(vocab, str) else tuple(vocab)
+
+        def local(table: jax.Array, ids: jax.Array) -> jax.Array:
+            n = table.shape[0]
+            rel = ids - jax.lax.axis_index(axes) * n
+            mine = (rel >= 0) & (rel < n)
+            rows = jnp.take(table, jnp.clip(rel, 0, n - 1), axis=0)
+            return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype)), axes)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(vocab, None), self._act_spec(mesh, 2, seq)),
+                             out_specs=self._act_spec(mesh, 3, seq))(embed, x)
+
+    def _forward(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None,
+                 apply_lm_head: bool, attend_cache: bool) -> tuple[jax.Array, KVCache | None]:
         c = self.cfg
         B, T = x.shape
         sequence_lens = sequence_lens.astype(jnp.int32)
@@ -219,54 +247,53 @@ class Model:
         if seq:
             self._check_context_parallel(T, seq, mesh)
         with jax.named_scope("embed"):
-            if mesh is None:
-                h = jnp.take(params.embed, x, axis=0)  # [B, T, D]
-            else:  # the lookup wants the whole table; the output follows the activation layout
-                embed = jax.sharding.reshard(params.embed, P())
-                x = jax.sharding.reshard(x, self._act_spec(mesh, 2, seq))
-                h = embed.at[x].get(out_sharding=self._act_spec(mesh, 3, seq))
-        start = jnp.zeros((B,), jnp.int32) if kv_cache is None else kv_cache.length
+            h = self._embed(params.embed, x, mesh, seq)  # [B, T, D]
+        start = kv_cache.length if kv_cache is not None and attend_cache else jnp.zeros((B,), jnp.int32)
         q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
         kv_len = start + sequence_lens
         # Attention keeps the whole q_pos (its queries span the full sequence); the rotary tables only need the
         # positions a device holds.
         cos, sin = rope_tables(c, jax.sharding.reshard(q_pos, self._act_spec(mesh, 2, seq)) if seq else q_pos)
+        own_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))  # positions within the call
 
-        def block(h: jax.Array, layer: LayerParams, cache_k: jax.Array | None, cache_v: jax.Array | None):
+        def block(h: jax.Array, layer: LayerParams, index: jax.Array | None):
             layer = jax.tree.map(self._use, layer)
             with jax.named_scope("attn"):
                 a = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
-                q = jnp.einsum("btd,dhk->bthk", a, layer.wq)
-                k = jnp.einsum("btd,dhk->bthk", a, layer.wk)
-                v = jnp.einsum("btd,dhk->bthk", a, layer.wv)
+                if kv_cache is None:
+                    q = jnp.einsum("btd,dhk->bthk", a, layer.wq)
+                    k = jnp.einsum("btd,dhk->bthk", a, layer.wk)
+                    v = jnp.einsum("btd,dhk->bthk", a, layer.wv)
+                else:
+                    q, k, v = (self._project_heads(a, w) for w in (layer.wq, layer.wk, layer.wv))
                 if c.qk_norm:
                     q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
                     k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-                if cache_k is not None:
-                    cache_k = write_rows(cache_k, k, start)
-                    cache_v = write_rows(cache_v, v, start)
-                    k_all, v_all = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
+                if kv_cache is None:
+                    if seq:
+                        with jax.named_scope("ulysses"):
+                            q, k, v = self._ulysses_to_heads(q, k, v, mesh, seq)
+                    o = attention(q, k, v, q_pos, kv_len)  # [B, T, H, Dh]
+                    if seq:
+                        with jax.named_scope("ulysses"):
+                            o = jax.sharding.reshard(o, self._act_spec(mesh, 4, seq))
+                elif attend_cache:
+                    o = cached_attention(q, k, v, kv_cache.k, kv_cache.v, index, start, sequence_lens, self.kv_block)
                 else:
-                    k_all, v_all = k, v
-                if seq:
-                    with jax.named_scope("ulysses"):
-                        q, k_all, v_all = self._ulysses_to_heads(q, k_all, v_all, mesh, seq)
-                o = attention(q, k_all, v_all, q_pos, kv_len)  # [B, T, H, Dh]
-                if seq:
-                    with jax.named_scope("ulysses"):
-                        o = jax.sharding.reshard(o, self._act_spec(mesh, 4, seq))
+                    o = attention(q, k, v, own_pos, sequence_lens)
                 h = h + self._contract("bthk,hkd->btd", o, layer.wo, seq)
             with jax.named_scope("mlp"):
                 m = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
                 gate = jnp.einsum("btd,df->btf", m, layer.w_gate)
                 up = jnp.einsum("btd,df->btf", m, layer.w_up)
                 h = h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down, seq)
-            return h, cache_k, cache_v
+            # This call's K/V as [B, K, T, Dh], the cache layout: written once, after the layer loop.
+            return h, (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
 
         if kv_cache is None:
             def body(h, layer):
-                h, _, _ = block(h, layer, None, None)
+                h, _ = block(h, layer, None)
                 return h, None
 
             if self.remat:  # keep only the residual stream between layers
@@ -274,18 +301,26 @@ class Model:
             h, _ = jax.lax.scan(body, h, params.layers)
             new_cache = None
         else:
-            def body_cached(h, xs):
-                layer, ck, cv = xs
-                h, ck, cv = block(h, layer, ck, cv)
-                return h, (ck, cv)
-
-            h, (ks, vs) = jax.lax.scan(body_cached, h, (params.layers, kv_cache.k, kv_cache.v))
-            new_cache = KVCache(k=ks, v=vs, length=kv_len)
+            # The cache is read inside the loop (a loop-invariant operand: each layer reads its own blocks) but
+            # is neither an xs nor a carry, so no step copies a layer of it out and back.
+            h, (ks, vs) = jax.lax.scan(lambda h, xs: block(h, *xs), h,
+                                       (params.layers, jnp.arange(c.num_layers, dtype=jnp.int32)))
+            new_cache = self._write_cache(kv_cache, ks, vs, start, kv_len, attend_cache)
 
         h = rms_norm(h, self._use(params.final_norm), c.rms_norm_eps)
         if not apply_lm_head:
             return h, new_cache
         return self.lm_head(params, h), new_cache
+
+    @staticmethod
+    def _write_cache(cache: KVCache, ks: jax.Array, vs: jax.Array, start: jax.Array, kv_len: jax.Array,
+                     at_lengths: bool) -> KVCache:
+        with jax.named_scope("kv_write"):
+            if at_lengths:
+                k, v = write_new(cache.k, cache.v, ks, vs, start)
+            else:
+                k, v = write_prefix(cache.k, cache.v, ks, vs)
+        return KVCache(k=k, v=v, length=kv_len)
 
     def lm_head_weight(self, params: Params) -> jax.Array:
         """[D, V] LM head (the transposed embedding when tied)."""
