@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from asyncrl.models import params as params_lib
 from asyncrl.models.config import ModelConfig
+from asyncrl.models.flash import block_size, flash_attention_train
 from asyncrl.models.attention import attention, cached_attention
 from asyncrl.models.kvcache import KV_AXES, LENGTH_AXES, KVCache, write_new, write_prefix
 from asyncrl.models.params import LayerParams, Params
@@ -79,6 +80,10 @@ class Model:
     remat: bool = False
     kv_block: int = 512
     """Cache positions per block of cached attention: a step reads the longest live row rounded up to this."""
+    remat_policy: str = "full"
+    """With `remat`: 'full' keeps only the residual stream; 'dots' also keeps the matmul outputs."""
+    flash: bool = False
+    """Cache-free (training) attention through the Pallas flash kernel (models/flash.py) where T fits its tiles."""
 
     # ---- caches ---------------------------------------------------------------------------------------------
 
@@ -274,7 +279,10 @@ class Model:
                     if seq:
                         with jax.named_scope("ulysses"):
                             q, k, v = self._ulysses_to_heads(q, k, v, mesh, seq)
-                    o = attention(q, k, v, q_pos, kv_len)  # [B, T, H, Dh]
+                    if self.flash and block_size(T) is not None:
+                        o = flash_attention_train(q, k, v, kv_len)  # never writes [T, T] scores to HBM
+                    else:
+                        o = attention(q, k, v, q_pos, kv_len)  # [B, T, H, Dh]
                     if seq:
                         with jax.named_scope("ulysses"):
                             o = jax.sharding.reshard(o, self._act_spec(mesh, 4, seq))
@@ -296,8 +304,10 @@ class Model:
                 h, _ = block(h, layer, None)
                 return h, None
 
-            if self.remat:  # keep only the residual stream between layers
-                body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+            if self.remat:  # 'full': only the residual stream between layers; 'dots': matmul outputs too
+                policy = {"full": jax.checkpoint_policies.nothing_saveable,
+                          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[self.remat_policy]
+                body = jax.checkpoint(body, policy=policy)
             h, _ = jax.lax.scan(body, h, params.layers)
             new_cache = None
         else:
@@ -387,6 +397,9 @@ class Model:
     def with_rules(self, rules: ShardingRules | None) -> "Model":
         return dataclasses.replace(self, rules=rules)
 
-    def with_remat(self, remat: bool) -> "Model":
-        return dataclasses.replace(self, remat=remat)
+    def with_remat(self, remat: bool, policy: str = "full") -> "Model":
+        return dataclasses.replace(self, remat=remat, remat_policy=policy)
+
+    def with_flash(self, flash: bool) -> "Model":
+        return dataclasses.replace(self, flash=flash)
 

@@ -45,7 +45,10 @@ class Trainer:
         if jax.process_index() not in self.hosts:
             raise ValueError(f"process {jax.process_index()} owns none of the trainer mesh's devices "
                              f"(trainer processes: {self.hosts})")
-        self.model = model.with_rules(train_rules(sharding_cfg)).with_remat(train_cfg.remat)
+        on_tpu = self.mesh.devices.flat[0].platform == "tpu"
+        self.model = (model.with_rules(train_rules(sharding_cfg))
+                      .with_remat(train_cfg.remat, train_cfg.remat_policy)
+                      .with_flash(train_cfg.attention == "flash" or (train_cfg.attention == "auto" and on_tpu)))
         cp = self.mesh.shape["cp"]
         if cp > 1 and (model.cfg.num_heads % cp or train_cfg.pad_to_multiple % cp):
             raise ValueError(f"sharding.mesh.cp_ulysses={cp} must divide the model's {model.cfg.num_heads} attention "
