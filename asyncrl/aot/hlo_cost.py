@@ -49,6 +49,9 @@ code that opens the scope states the loop's largest trip count (cached attention
 stops at the longest live row: n = blocks in the whole cache, see `models/attention.py`), so the figures stay an
 upper bound per call. Such loops are named in `assumed_trip_counts`. Any other loop whose trip count cannot be
 read is weighted 1 and named in `unknown_trip_counts`.
+
+One file on purpose, past the usual ~400 lines: the HLO parser, the loop weighting and the per-op counting rules
+share one instruction model, and each rule above is only checkable next to the parsing it depends on.
 """
 
 from __future__ import annotations
