@@ -181,3 +181,29 @@ def test_in_flight_rows_carry_over_and_record_versions(model_params, tok):
     assert spans, "some sample must straddle the update"
     c = spans[0]
     assert c.start_version == 0 and c.end_version == 5 and c.version_boundaries[0][1] == 5
+
+
+def test_decode_chunks_return_to_the_host_without_changing_samples(model_params, tok):
+    """decode_chunk_steps bounds how long the device runs before `between_loops` (where a weight sync parks the
+    replica); samples are seeded per (prompt, sample, position), so chunking changes nothing in the output."""
+    model, params = model_params
+    outs, engines = {}, {}
+    for chunk in (1, 3, 10_000):
+        cfg = dataclasses.replace(BASE, max_seq_len=40, decode_chunk_steps=chunk)
+        eng = Engine(model, params, cfg, tok, seed=5)
+        gaps, last = [], {"steps": 0}
+
+        def hook(eng=eng, gaps=gaps, last=last):  # decode steps executed since the previous hook call
+            gaps.append(eng.stats.decode_steps - last["steps"])
+            last["steps"] = eng.stats.decode_steps
+
+        eng.between_loops = hook
+        outs[chunk] = eng.generate(_requests(tok, 6, 2))
+        engines[chunk] = (eng, gaps)
+    toks = lambda out: [(r.sample, [c.tokens.tolist() for c in r.completions]) for r in out]  # noqa: E731
+    assert toks(outs[1]) == toks(outs[3]) == toks(outs[10_000])
+    for chunk in (1, 3):
+        eng, gaps = engines[chunk]
+        assert max(gaps) <= chunk  # the host regains control at least every `chunk` executed steps
+    assert max(engines[10_000][1]) > 3  # unchunked: loops run until a row finishes
+    assert engines[1][0].stats.calls > engines[3][0].stats.calls > engines[10_000][0].stats.calls

@@ -57,7 +57,11 @@ def test_end_to_end_three_hosts(tmp_path):
     assert any("inference/decode_tokens_per_s" in x for x in r)
     # Both inference hosts served with both of their replicas.
     with open(os.path.join(run_dir, "rollouts.jsonl")) as f:
-        logged = [json.loads(x) for x in f]
+        lines = [json.loads(x) for x in f]
+    logged = [g for g in lines if "completions" in g]  # trained groups; the rest are the step's dropped groups
+    drops = [g for g in lines if "dropped" in g]
+    assert len(drops) == sum(x["rollout/filtered_lag"] + x["rollout/filtered_zero_variance"] for x in r)
+    assert all(d["dropped"] == "lag" and d["step"] - 1 - d["oldest_version"] > 1 for d in drops)
     assert sorted({g["step"] for g in logged}) == [1, 2, 3, 4, 5, 6]
     assert len({g["worker"] for g in logged}) == 4, {g["worker"] for g in logged}
     # In-flight updates: a sync landed while rows were being generated, so some trained completions carry two

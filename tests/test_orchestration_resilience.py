@@ -112,3 +112,38 @@ def test_submit_to_running_cluster(tmp_path):
         assert [r["step"] for r in rows(run_dir)] == [1, 2]
     finally:
         subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+def test_trainer_host_killed_at_max_lag_2_resumes_with_its_in_flight_prompts(tmp_path):
+    """The stall this guards against: at max_lag > 0 a resumed trainer used to skip the prompts that were in
+    flight at its checkpoint and wait forever for groups nobody would generate."""
+    run_dir = str(tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    args = [*TINY, "train.total_steps=16", "async.max_lag=2", "checkpoint.every_n_steps=5", "run.max_restarts=1",
+            "eval.every_n_steps=0", "async.queue_timeout_s=60"]
+    proc = subprocess.Popen([sys.executable, "launch.py", f"run.run_dir={run_dir}", "logging.ray_metrics=false", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _wait_for_step(run_dir, 12, proc)
+    trainer = next(h for h in json.load(open(os.path.join(run_dir, "hosts.json"))) if h["role"] == "trainer")
+    os.kill(trainer["pid"], signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
+    assert "host 0 (trainer)" in err and "restarting" in err
+    assert "resuming" in err and "from checkpoint step 10" in err
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, 17))  # every step exactly once
+
+
+def test_stall_dumps_every_host_stack_and_fails(tmp_path):
+    """A trainer that hangs (injected at step 3) publishes no step: after run.stall_timeout_s the driver dumps
+    every host's thread stacks and fails the run instead of waiting forever."""
+    run_dir = str(tmp_path / "run")
+    res = launch(run_dir, *TINY, "train.total_steps=6", "eval.every_n_steps=0", "run.stall_timeout_s=60",
+                 "run.max_restarts=2", env_extra={"ASYNCRL_FAULTS": "hang@step:0:3"})
+    assert res.returncode == 1
+    assert "no step published for 60s (run.stall_timeout_s)" in res.stderr
+    assert "restarting" not in res.stderr  # a stall is not retried: it would only stall again
+    stacks = open(os.path.join(run_dir, "stacks.txt")).read()
+    assert "==== host 0 (trainer" in stacks and "==== host 1 (inference" in stacks
+    assert "in point" in stacks and "faults.py" in stacks  # the trainer's main thread, where it hangs
+    assert "_replica_loop" in stacks  # the inference host's decode thread, still serving
+    assert [r["step"] for r in rows(run_dir)] == [1, 2]

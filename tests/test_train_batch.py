@@ -15,9 +15,8 @@ import pytest
 from asyncrl.inference.rollout import Completion, Rollout
 from asyncrl.models import params as params_lib
 from asyncrl.models.config import ModelConfig
-from asyncrl.train.batch import (
-    RolloutTimeout, build_batch, collect_rollouts, combine_host_metrics, pad_batch,
-)
+from asyncrl.train.batch import build_batch, combine_host_metrics, pad_batch
+from asyncrl.train.collect import RolloutTimeout, collect_rollouts
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import prepare_loss_inputs
 

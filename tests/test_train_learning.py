@@ -16,7 +16,8 @@ import pytest
 
 from asyncrl.inference.rollout import Completion, Rollout
 from asyncrl.models import Model, preset
-from asyncrl.train.batch import build_batch, collect_rollouts
+from asyncrl.train.batch import build_batch
+from asyncrl.train.collect import collect_rollouts
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.trainer import Trainer

@@ -30,6 +30,9 @@ class InferenceConfig:
     """If set, a row that has not emitted the end-of-think token by this length gets `think_phrase` forced in."""
     think_phrase: str = DEFAULT_THINK_PHRASE
     """Phrase forced at the reasoning budget; must end with the tokenizer's end-of-think token."""
+    decode_chunk_steps: int = 16
+    """Longest run of decode steps between two returns to the host when no row finishes. A weight sync waits
+    at most this many steps per replica; smaller means prompter syncs and more host round trips."""
     tp: int = 1
     """Devices per replica (tensor parallel). Local devices are split into groups of tp, one replica each."""
     replica_mode: str = "threads"
@@ -53,6 +56,7 @@ class InferenceConfig:
         if self.reasoning_budget is not None:
             check("inference.reasoning_budget", self.reasoning_budget, 0 < self.reasoning_budget < self.max_seq_len,
                   f"in (0, max_seq_len={self.max_seq_len})")
+        check("inference.decode_chunk_steps", self.decode_chunk_steps, self.decode_chunk_steps >= 1, ">= 1")
         check("inference.tp", self.tp, self.tp >= 1, ">= 1")
         check_choice("inference.replica_mode", self.replica_mode, ("threads", "spmd"))
         check_choice("inference.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))

@@ -3,7 +3,9 @@
 Compiled programs:
 - `prefill`, memoized per power-of-two prompt bucket (at most log2(max_seq_len) programs);
 - `decode_and_swap`, compiled once: runs decode steps in a `lax.while_loop` until some live row stops, takes
-  that row out, and puts the next queued (prompt, sample) row in its place. The state is donated.
+  that row out, and puts the next queued (prompt, sample) row in its place. The state is donated. The loop also
+  returns after `inference.decode_chunk_steps` steps with nothing finished, so the host gets control back (and
+  a pending weight sync its chance) at least that often; an insert that did not happen is retried.
 
 When a prompt batch's queue runs dry the in-flight rows are *not* drained: they are carried into the next
 prompt batch (`generate(..., drain=False)`), so there is no straggler tail. Between decode loops the engine
@@ -52,6 +54,7 @@ class _Group:
     rollout: Rollout
     pending: int
     results: list = field(default_factory=list)  # completions by sample index, so output order is stable
+    extracted: int = 0  # samples whose finished row has come off the device (collected or not)
 
 
 @dataclass
@@ -263,16 +266,17 @@ class Engine:
 
     def _decode_and_swap(
         self, params: Any, s: DecodeState, prefill: DecodeState, p: jax.Array, slot: jax.Array, version: jax.Array,
-        uid: jax.Array, k: jax.Array,
+        uid: jax.Array, k: jax.Array, max_steps: jax.Array,
     ) -> tuple[DecodeState, FinishedRow]:
         want_insert = p >= 0
         row_key = jax.random.fold_in(jax.random.fold_in(s.key, uid), k)
+        steps0 = s.steps
 
         def cond(s: DecodeState) -> jax.Array:
             has_free = jnp.any(~s.active)
-            return jnp.any(s.active) & ~jnp.any(s.active & s.stop) & ~(want_insert & has_free)
+            return (jnp.any(s.active) & ~jnp.any(s.active & s.stop) & ~(want_insert & has_free)
+                    & (s.steps - steps0 < max_steps))
 
-        steps0 = s.steps
         with jax.named_scope("single_decode_loop"):
             s = jax.lax.while_loop(cond, lambda s: self._decode_step(params, s, version), s)
         done = s.active & s.stop
@@ -280,6 +284,7 @@ class Engine:
         # row is extracted and, if a sample is queued, replaced.
         fill = want_insert & jnp.any(~s.active)
         any_done = ~fill & jnp.any(done)
+        inserted = want_insert & (fill | any_done)  # False when the chunk ran out with every row still live
         row = jnp.where(any_done, jnp.argmax(done), jnp.argmax(~s.active)).astype(jnp.int32)
         sel = jnp.arange(done.shape[0]) == row  # [B]
 
@@ -293,11 +298,11 @@ class Engine:
             tokens=take(s.tokens), logprobs=take(s.logprobs), forced=take(s.forced), versions=take(s.versions),
             prompt_len=take(s.prompt_len), length=length, slot=jnp.where(any_done, take(s.slot), -1),
             hit_length=take(s.forced)[jnp.clip(length - 1, 0, self.S - 1)], steps=s.steps - steps0,
-            end_of_think=take(s.end_of_think),
+            end_of_think=take(s.end_of_think), inserted=inserted,
         )
         with jax.named_scope("sub_next_batch"):
             s = jax.lax.cond(
-                want_insert,
+                inserted,
                 lambda s: self._insert(s, prefill, p, row, slot, row_key),
                 lambda s: jax.lax.cond(any_done, lambda s: deactivate_row(s, row), lambda s: s, s),
                 s,
@@ -374,7 +379,7 @@ class Engine:
         """The decode loop with row substitution (`decode_and_swap`), lowered on abstract inputs."""
         i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
         args = (self.abstract_params(), self.abstract_state(), self.abstract_state(self.P, split_rows=False),
-                i32(), i32(), i32(), self._scalar(jnp.uint32), i32())
+                i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32())
         return self._lower(self._decode, args)
 
     def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
@@ -449,11 +454,12 @@ class Engine:
                 g = _Group(rollout, r.n, [None] * r.n)
                 queue.extend((i, g, k) for k in range(r.n))
             for i, g, k in queue:
-                self._call(prefill, i, (g, k))
+                while not self._call(prefill, i, (g, k), emit):  # a chunk ended before a row was free: decode on
+                    pass
             self._collect(emit)
         if drain:
             while self._in_flight > 0:
-                self._call(None, -1, None)
+                self._call(None, -1, None, emit)
             self._collect(emit)
         return done
 
@@ -470,7 +476,11 @@ class Engine:
             self._collect(lambda r: (done.append(r), on_group(r) if on_group else None))
         return done
 
-    def _call(self, prefill: DecodeState | None, p: int, target: tuple[_Group, int] | None) -> None:
+    def _call(self, prefill: DecodeState | None, p: int, target: tuple[_Group, int] | None,
+              emit: Callable[[Rollout], Any] | None = None) -> bool:
+        """One decode chunk; returns whether `target` was inserted (always True without a target). A group whose
+        last row just came out is collected and emitted at once: holding it until the current prompt batch is
+        all inserted would make it a straggler that the trainer waits for."""
         self.between_loops()
         with self._lock:
             params, version = self.params, self.version
@@ -484,24 +494,29 @@ class Engine:
         t0 = time.perf_counter()
         uid, k = (target[0].rollout.uid, target[1]) if target is not None else (0, 0)
         args = (params, self._state, prefill, np.int32(p), np.int32(slot), np.int32(version),
-                np.uint32(uid & 0xFFFFFFFF), np.int32(k))
+                np.uint32(uid & 0xFFFFFFFF), np.int32(k), np.int32(self.cfg.decode_chunk_steps))
         if self.mesh is None:
             self._state, row = self._decode(*args)
         else:
             with jax.set_mesh(self.mesh):
                 self._state, row = self._decode(*args)
-        # Dispatch returns before the device has run the loop: wait for it, so that decode_time (and the
-        # decode_tokens_per_s metric built on it) is device time, not enqueue time.
-        row.steps.block_until_ready()
+        # Waiting for the flags waits for the device to finish the chunk, so decode_time (and the
+        # decode_tokens_per_s metric built on it) is device time, and `between_loops` runs on executed work.
+        inserted, out_slot, steps = jax.device_get((row.inserted, row.slot, row.steps))
         self.stats.decode_time += time.perf_counter() - t0
         self.stats.calls += 1
-        free = self.B - self._in_flight
-        if p >= 0 and free > 0:
-            self._in_flight += 1  # pure fill: nothing extracted
-        else:
+        self.stats.decode_steps += int(steps)
+        if target is not None and not inserted:
+            del self._slots[slot]
+        self._in_flight += int(bool(inserted))
+        if int(out_slot) >= 0:  # a finished row came out
+            self._in_flight -= 1
             self._pending_rows.append(row)
-            if p < 0:
-                self._in_flight -= 1
+            group = self._slots[int(out_slot)][0]
+            group.extracted += 1
+            if emit is not None and group.extracted == len(group.results):
+                self._collect(emit)
+        return target is None or bool(inserted)
 
     def _dummy_prefill(self) -> DecodeState:
         if not hasattr(self, "_dummy"):
@@ -516,7 +531,6 @@ class Engine:
         self._pending_rows = []
         t0 = time.perf_counter()
         for r in rows:
-            self.stats.decode_steps += int(r.steps)
             slot = int(r.slot)
             if slot < 0:
                 continue

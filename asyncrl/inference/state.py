@@ -50,6 +50,7 @@ class FinishedRow:
     hit_length: Any  # [] bool: stopped by the length limit rather than a sampled EOS
     end_of_think: Any  # [] bool: the row closed its thinking (sampled or forced end-of-think token)
     steps: Any  # [] decode steps this call ran
+    inserted: Any  # [] bool: the queued sample went into a row (False when the chunk ended with every row live)
 
 
 def _row_update(dst: jax.Array, src_row: jax.Array, row: jax.Array, axis: int) -> jax.Array:

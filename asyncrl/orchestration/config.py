@@ -19,12 +19,16 @@ class AsyncConfig:
     """Longest any blocking queue get/put waits before failing with a message naming who waited for what."""
     rollout_queue_size: int = 0
     """Bound of the rollout queue in groups; 0 means 2 x prompts per step."""
+    park_timeout_s: float = 300.0
+    """Longest an inference host waits for its replicas to park for a weight sync (each parks within one decode
+    chunk, `inference.decode_chunk_steps`, so this only trips on a wedged replica)."""
 
     def __post_init__(self) -> None:
         check("async.train_workers", self.train_workers, self.train_workers >= 1, ">= 1")
         check("async.max_lag", self.max_lag, self.max_lag >= 0, ">= 0")
         check("async.queue_timeout_s", self.queue_timeout_s, self.queue_timeout_s > 0, "> 0")
         check("async.rollout_queue_size", self.rollout_queue_size, self.rollout_queue_size >= 0, ">= 0")
+        check("async.park_timeout_s", self.park_timeout_s, self.park_timeout_s > 0, "> 0")
 
 
 @dataclass(frozen=True)
@@ -35,15 +39,11 @@ class EvalConfig:
     """Held-out prompts per eval."""
     group_size: int = 4
     """Samples per eval prompt (n of pass@k; k <= n are reported)."""
-    temperature: Optional[float] = None
-    """Eval sampling temperature; None uses inference.temperature."""
 
     def __post_init__(self) -> None:
         check("eval.every_n_steps", self.every_n_steps, self.every_n_steps >= 0, ">= 0")
         check("eval.num_prompts", self.num_prompts, self.num_prompts >= 1, ">= 1")
         check("eval.group_size", self.group_size, self.group_size >= 1, ">= 1")
-        if self.temperature is not None:
-            check("eval.temperature", self.temperature, self.temperature >= 0, ">= 0")
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,9 @@ class RunConfig:
     """'cpu' forces the CPU backend on every host; 'auto' lets JAX choose (TPU/GPU when present)."""
     startup_timeout_s: float = 180.0
     """Longest the driver waits for all hosts to join jax.distributed."""
+    stall_timeout_s: float = 1800.0
+    """The driver dumps every host's thread stacks (to stderr and run_dir/stacks.txt) and fails the run when no
+    step is published for this long (the first step includes compilation). 0 turns the detector off."""
     tpu_topology: Optional[str] = None
     """The TPU slice this config targets, in libtpu's naming (e.g. v5p:2x4x4 for a v5p-64): `launch.py aot`
     compiles every program for it when no --topology is given."""
@@ -109,6 +112,7 @@ class RunConfig:
         check("run.max_restarts", self.max_restarts, self.max_restarts >= 0, ">= 0")
         check_choice("run.platform", self.platform, ("auto", "cpu", "tpu", "gpu"))
         check("run.startup_timeout_s", self.startup_timeout_s, self.startup_timeout_s > 0, "> 0")
+        check("run.stall_timeout_s", self.stall_timeout_s, self.stall_timeout_s >= 0, ">= 0 (0 = off)")
         if self.tpu_topology is not None:
             check("run.tpu_topology", self.tpu_topology, re.match(r"^(v5p|v6e|v5e):\d+(x\d+)+$", self.tpu_topology)
                   is not None, "a libtpu topology name such as v5p:2x4x4, v6e:2x4 or v5e:2x4")

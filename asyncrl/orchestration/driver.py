@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from typing import Any
 
 import ray
@@ -25,9 +26,13 @@ log = logging.getLogger("asyncrl.driver")
 
 
 class HostFailure(RuntimeError):
-    def __init__(self, rank: int, role: str, detail: str):
+    def __init__(self, rank: int, role: str, detail: str, traceback: str = ""):
         super().__init__(f"host {rank} ({role}) failed: {detail}")
-        self.rank, self.role = rank, role
+        self.rank, self.role, self.traceback = rank, role, traceback
+
+
+class RunStalled(RuntimeError):
+    """No step was published for run.stall_timeout_s; every host's stacks were dumped."""
 
 
 def run_dir_of(cfg: Any) -> str:
@@ -66,8 +71,9 @@ def _tpu_hosts() -> list[dict[str, Any]]:
 def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any]) -> tuple[list[Any], Any]:
     tpu = _tpu_hosts() if cfg.run.platform in ("auto", "tpu") else []
     env = {"PYTHONPATH": _project_root(), "TOKENIZERS_PARALLELISM": "false"}
-    if os.environ.get("ASYNCRL_STACK_DUMP_S"):
-        env["ASYNCRL_STACK_DUMP_S"] = os.environ["ASYNCRL_STACK_DUMP_S"]
+    for var in ("ASYNCRL_STACK_DUMP_S", "ASYNCRL_FAULTS"):  # debugging and fault injection (faults.py)
+        if os.environ.get(var):
+            env[var] = os.environ[var]
     if tpu:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -77,7 +83,8 @@ def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any]) -> tuple[list[A
         pg = placement_group([{"TPU": chips, "CPU": 1}] * n, strategy="STRICT_SPREAD")
         ray.get(pg.ready(), timeout=cfg.run.startup_timeout_s)
         Actor = ray.remote(HostActor)
-        actors = [Actor.options(num_cpus=1, resources={"TPU": chips}, runtime_env={"env_vars": env},
+        # max_concurrency=2: `dump_stacks` must run while `run` is busy (the stall detector's stack dumps).
+        actors = [Actor.options(num_cpus=1, resources={"TPU": chips}, runtime_env={"env_vars": env}, max_concurrency=2,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
                                 ).remote(i, n, cfg, run_dir, queues) for i in range(n)]
         return actors, pg
@@ -86,7 +93,8 @@ def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any]) -> tuple[list[A
             "OMP_NUM_THREADS": "1"}
     # Simulated hosts take no CPU reservation: a 2-core laptop must fit every one of them.
     Actor = ray.remote(HostActor)
-    actors = [Actor.options(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env}).remote(i, n, cfg, run_dir, queues)
+    actors = [Actor.options(num_cpus=0, max_restarts=0, max_concurrency=2, runtime_env={"env_vars": env}
+                            ).remote(i, n, cfg, run_dir, queues)
               for i in range(n)]
     return actors, None
 
@@ -113,7 +121,8 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
     tw = cfg.async_.train_workers
     if not (0 < tw < n_hosts and n_hosts % tw == 0):
         raise ValueError(f"async.train_workers={tw} must be in (0, {n_hosts}) and divide the {n_hosts} hosts")
-    queues = make_queues(cfg.prompts_per_step, n_hosts - tw, cfg.async_.rollout_queue_size, cfg.async_.queue_timeout_s)
+    queues = make_queues(cfg.prompts_per_step, n_hosts - tw, cfg.async_.rollout_queue_size, cfg.async_.queue_timeout_s,
+                         eval_prompts=cfg.eval.num_prompts)
     actors, pg = _make_actors(cfg, run_dir, queues)
     try:
         timeout = cfg.run.startup_timeout_s
@@ -122,12 +131,22 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
         coordinator = f"{info[0]['ip']}:{port}"
         log.info("joining %d hosts via jax.distributed at %s", len(actors), coordinator)
         ray.get([a.start_jax.remote(coordinator, timeout) for a in actors], timeout=timeout + 30)
+        hosts = [{**h, "role": role_of(h["rank"], tw)} for h in info]
         with open(os.path.join(run_dir, "hosts.json"), "w") as f:  # who is who (pids for debugging and tests)
-            json.dump([{**h, "role": role_of(h["rank"], tw)} for h in info], f, indent=1)
+            json.dump(hosts, f, indent=1)
+        with open(os.path.join(run_dir, "hosts_history.jsonl"), "a") as f:  # every attempt's processes
+            f.write(json.dumps({"time": time.time(), "hosts": hosts}) + "\n")
         refs = {a.run.remote(): i for i, a in enumerate(actors)}
+        stall = cfg.run.stall_timeout_s
+        last_progress = time.monotonic()
         while True:
             for row in queues["driver"].drain():
                 sink.write(row)
+                last_progress = time.monotonic()
+            if stall and time.monotonic() - last_progress > stall:
+                _dump_stacks(actors, info, run_dir)
+                raise RunStalled(f"no step published for {stall:.0f}s (run.stall_timeout_s); every host's thread "
+                                 f"stacks are above and in {os.path.join(run_dir, 'stacks.txt')}")
             ready, _ = ray.wait(list(refs), timeout=0.5)
             for ref in ready:
                 rank = refs.pop(ref)
@@ -140,11 +159,28 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
                     raise HostFailure(rank, role, f"actor died ({type(e).__name__}); pid {info[rank]['pid']} "
                                                   f"on {info[rank]['host']}") from None
                 if not res.ok:
-                    raise HostFailure(rank, role, res.error.strip().splitlines()[0] if res.error else "unknown error")
+                    raise HostFailure(rank, role, res.error.strip().splitlines()[0] if res.error else "unknown error",
+                                      res.error)
                 if rank == 0:  # its rows were drained just above, after it had returned
                     return res.info
     finally:
         _teardown(actors, queues, pg)
+
+
+def _dump_stacks(actors: list[Any], info: list[dict[str, Any]], run_dir: str) -> None:
+    """Every host's Python thread stacks, to stderr and run_dir/stacks.txt (a host that cannot answer says so)."""
+    refs = [a.dump_stacks.remote() for a in actors]
+    parts = []
+    for i, ref in enumerate(refs):
+        try:
+            text = ray.get(ref, timeout=30)
+        except Exception as e:  # noqa: BLE001 - a wedged or dead host is reported, not fatal here
+            text = f"(no answer: {type(e).__name__}: {e})"
+        parts.append(f"==== host {i} ({info[i]['role']}, pid {info[i]['pid']} on {info[i]['host']}) ====\n{text}")
+    out = "\n".join(parts)
+    with open(os.path.join(run_dir, "stacks.txt"), "w") as f:
+        f.write(out)
+    print(out, file=sys.stderr)
 
 
 def run(cfg: Any) -> int:
@@ -169,8 +205,14 @@ def run(cfg: Any) -> int:
             try:
                 _attempt(cfg, run_dir, sink)
                 break
+            except RunStalled as e:
+                print(f"[asyncrl] error: {e}", file=sys.stderr)
+                code = 1
+                break
             except HostFailure as e:
                 sink.close()
+                if e.traceback:  # the host's own traceback (a dead feeder thread's included), then the summary line
+                    print(f"[asyncrl] host {e.rank} ({e.role}) error:\n{e.traceback.rstrip()}", file=sys.stderr)
                 if restarts < cfg.run.max_restarts:
                     restarts += 1
                     print(f"[asyncrl] {e}; restarting all hosts from the latest checkpoint "

@@ -49,6 +49,17 @@ class HostActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
+    def dump_stacks(self) -> str:
+        """Every Python thread's stack in this process (runs beside `run`: the actor has two threads)."""
+        import sys
+        import threading
+
+        names = {t.ident: t.name for t in threading.enumerate()}
+        out = []
+        for ident, frame in sys._current_frames().items():
+            out.append(f"--- thread {names.get(ident, ident)} ---\n" + "".join(traceback.format_stack(frame)))
+        return "\n".join(out)
+
     def start_jax(self, coordinator: str, timeout_s: float) -> dict[str, Any]:
         import jax
 

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet, place_params
 from asyncrl.inference.rollout import Rollout
+from asyncrl.orchestration import faults
+from asyncrl.orchestration.queues import QueueTimeout
 from asyncrl.sharding.roles import split_roles
 from asyncrl.tasks import Verifier, build_task
 
@@ -45,10 +47,13 @@ class InferenceWorker:
         t = cfg.async_.queue_timeout_s
         self.q = {k: v.as_role(f"inference{rank}", t) for k, v in queues.items()}
         self.gate = SyncGate()
+        self.sync_stats: dict[str, float] = {}
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
+        self.timeout_s = t
         # Separate lanes: a train rollout blocked on the full (bounded) rollout queue must never hold up eval.
-        self.lanes: dict[bool, "queue.Queue[tuple[Rollout, list]]"] = {True: queue.Queue(), False: queue.Queue(maxsize=256)}
+        self.lanes: dict[bool, "queue.Queue[tuple[Rollout, list]]"] = {
+            True: queue.Queue(maxsize=max(1, cfg.eval.num_prompts)), False: queue.Queue(maxsize=256)}
 
     # ---- weight sync ----------------------------------------------------------------------------------------
 
@@ -60,13 +65,16 @@ class InferenceWorker:
                     continue
                 t0 = time.perf_counter()
                 n = len(self.replicas.engines) if self.replicas is not None else 0
+                park = self.cfg.async_.park_timeout_s
                 with self.gate.cond:
                     self.gate.ready = 0
                     self.gate.event.set()
-                    ok = self.gate.cond.wait_for(lambda: self.gate.ready >= n, timeout=120)
+                    ok = self.gate.cond.wait_for(lambda: self.gate.ready >= n, timeout=park)
                 if not ok:
-                    raise TimeoutError(f"inference{self.rank} monitor waited 120s for {n} replicas to park for "
-                                       f"weight sync (got {self.gate.ready})")
+                    raise TimeoutError(f"inference{self.rank} monitor waited {park:g}s (async.park_timeout_s) for "
+                                       f"{n} replicas to park for weight sync v{msg['version']} (got {self.gate.ready})")
+                parked_s = time.perf_counter() - t0
+                faults.point("weight_sync", self.rank, int(msg["version"]), self.run_dir)
                 with self.gate.lock:
                     if self.gate.params is not None:  # free the old weights before the new ones land
                         jax.tree.map(lambda x: x.delete(), self.gate.params)
@@ -74,7 +82,9 @@ class InferenceWorker:
                     new, _ = self.transfer.transfer(None, self.shapes)
                     self.gate.params, self.gate.version = new, int(msg["version"])
                 self.gate.event.clear()
-                log.info("weights v%d received in %.2fs", self.gate.version, time.perf_counter() - t0)
+                self.sync_stats = {"park_s": parked_s, "sync_s": time.perf_counter() - t0}
+                log.info("weights v%d received in %.2fs (replicas parked in %.2fs)", self.gate.version,
+                         time.perf_counter() - t0, parked_s)
         except BaseException as e:
             self.errors.append(e)
             self.stop.set()
@@ -111,12 +121,16 @@ class InferenceWorker:
                     s = f.result(timeout=self.cfg.task.verifier.timeout_s * 4 + 30)
                     c.reward, c.reason = float(s.reward), s.reason
                 target = "eval_rollout" if rollout.is_eval else "rollout"
-                while not self.stop.is_set():
+                deadline = time.monotonic() + self.timeout_s
+                while not self.stop.is_set():  # short slices, so a stop is seen; then give up with a clear error
                     try:
                         self.q[target].put(rollout, timeout=1.0)
                         break
                     except TimeoutError:
-                        continue
+                        if time.monotonic() > deadline:
+                            raise QueueTimeout(
+                                f"inference{self.rank} scorer waited {self.timeout_s:.0f}s (async.queue_timeout_s) to "
+                                f"put a group on the full '{target}' queue; no trainer is taking groups") from None
         except BaseException as e:
             self.errors.append(e)
             self.stop.set()
@@ -124,7 +138,11 @@ class InferenceWorker:
     def _on_group(self, r: Rollout) -> None:
         sample = r.sample[2]
         futures = [self.verifier.submit(c.text, sample) for c in r.completions]
-        self.lanes[r.is_eval].put((r, futures))
+        try:  # blocks decode when scoring falls behind: back-pressure, but never forever
+            self.lanes[r.is_eval].put((r, futures), timeout=self.timeout_s)
+        except queue.Full:
+            raise QueueTimeout(f"inference{self.rank} decode waited {self.timeout_s:.0f}s to hand a finished group to "
+                               f"the {'eval' if r.is_eval else 'train'} scoring lane; the scorer is stalled") from None
 
     # ---- replica loop ---------------------------------------------------------------------------------------
 
@@ -174,7 +192,7 @@ class InferenceWorker:
         s = engine.stats
         m = {"decode_tokens_per_s": s.generated_tokens / max(s.decode_time, 1e-9), "finished": float(s.finished),
              "decode_steps": float(s.decode_steps), "version": float(engine.version), "in_flight": float(engine.in_flight),
-             "prefill_s": s.prefill_time}
+             "prefill_s": s.prefill_time, **{f"weight_sync_{k}": v for k, v in self.sync_stats.items()}}
         try:
             self.q["inference_metrics"].put(m, timeout=1.0)
         except TimeoutError:

@@ -18,11 +18,14 @@ NAMES = (
     "rollout",  # inference -> trainer: scored groups
     "weight_sync",  # trainer -> inference: "a transfer is coming" (bounded: inference hosts)
     "inference_metrics",  # inference -> trainer
-    "eval_prompt",  # trainer -> inference, served before train prompts
-    "eval_rollout",  # inference -> trainer
-    "eval_done",  # trainer -> driver: eval summaries
+    "eval_prompt",  # trainer -> inference, served before train prompts (bounded: one eval round)
+    "eval_rollout",  # inference -> trainer (bounded: one eval round)
+    "consumed",  # trainer ranks > 0 -> the feeder on rank 0: (data position, dropped) of each group taken
     "driver",  # trainer -> driver: per-step metrics for the live progress line and the files
 )
+
+DRIVER_QUEUE_SIZE = 256  # rows the driver may fall behind (it drains twice a second)
+METRICS_QUEUE_SIZE = 64  # inference reports; a full queue drops a report, never blocks decode
 
 
 class QueueTimeout(TimeoutError):
@@ -82,20 +85,20 @@ class RoleQueue:
     def qsize(self) -> int:
         return self.q.qsize()
 
-    def shutdown(self) -> None:
-        self.q.shutdown(force=True)
 
 
-def make_queues(prompts_per_step: int, inference_hosts: int, rollout_size: int = 0, timeout: float = 300.0) -> dict[str, RoleQueue]:
-    """Create every queue with the bounds the design asks for. Actors take no CPU so they never block placement."""
+def make_queues(prompts_per_step: int, inference_hosts: int, rollout_size: int = 0, timeout: float = 300.0,
+                eval_prompts: int = 64) -> dict[str, RoleQueue]:
+    """Create every queue, each bounded. Actors take no CPU so they never block placement."""
     sizes = {
         "prompt": prompts_per_step,
         "weight_sync": inference_hosts,
         "rollout": rollout_size or 2 * prompts_per_step,
-        "eval_prompt": 0,
-        "eval_rollout": 0,
-        "inference_metrics": 0,
-        "eval_done": 0,
-        "driver": 0,
+        "eval_prompt": eval_prompts,
+        "eval_rollout": eval_prompts,
+        "inference_metrics": METRICS_QUEUE_SIZE,
+        "consumed": 4 * prompts_per_step,
+        "driver": DRIVER_QUEUE_SIZE,
     }
+    assert all(v > 0 for v in sizes.values()), sizes  # 0 would mean unbounded to ray.util.queue
     return {n: RoleQueue(n, Queue(maxsize=sizes[n], actor_options={"num_cpus": 0}), "driver", timeout) for n in NAMES}

@@ -1,44 +1,35 @@
-"""The trainer role (the blog's AsyncTrainWorker): feed prompts, collect rollouts within max_lag, train, sync.
+"""The trainer role (the blog's AsyncTrainWorker): collect rollouts within max_lag, train, sync, checkpoint.
 
-Staleness is controlled at both ends. The feeder (rank 0) releases prompts for step s only once the trainer's
-weight version is at least s - max_lag (plus credit for dropped groups), so inference never runs far ahead; the
-collector drops any group older than max_lag anyway. With max_lag=0 this is exactly on-policy and deterministic
-(samples are seeded per prompt position), which is what makes resume-equals-uninterrupted testable.
+Staleness is controlled at both ends. The feeder (rank 0, `feeder.py`) releases the prompts of step s only once
+the inference hosts hold version s - 1 - max_lag, so inference never runs further ahead than max_lag allows; the
+collector drops any group older than max_lag anyway, and credits every drop to the feeder at once. With
+max_lag=0 this is exactly on-policy and deterministic (samples are seeded per prompt position), which is what
+makes resume-equals-uninterrupted testable; at any max_lag a resume regenerates the prompts that were in flight.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asyncrl.orchestration import faults
 from asyncrl.orchestration.checkpoint import TrainerCheckpoints
+from asyncrl.orchestration.evals import Evals
+from asyncrl.orchestration.feeder import Feeder, PromptItem  # noqa: F401  (PromptItem: the prompt queues' items)
 from asyncrl.orchestration.metrics import RayGauges
 from asyncrl.sharding.roles import split_roles
-from asyncrl.tasks import build_task, summarize_rewards
+from asyncrl.tasks import build_task
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptItem:
-    """What travels on the prompt queues: the task sample, its data position (seeds its samples), and n."""
-
-    position: int
-    sample: Any
-    n: int
-    is_eval: bool = False
-    eval_round: int = -1
 
 
 class TrainerWorker:
@@ -50,10 +41,9 @@ class TrainerWorker:
         self.inference_hosts = jax.process_count() - self.tw
         self.P = cfg.prompts_per_step
         self.stop = threading.Event()
-        self.dropped = 0
-        self.position = 0  # next train data position
-        self.synced_version = -1  # the version the inference hosts hold (the feeder gates on this, not on the
-        # trainer's own version, so no prompt is released between a step and the sync of its weights)
+        self.feeder: Feeder | None = None
+        self.evals: Evals | None = None
+        self._resume_meta: dict[str, Any] = {}
 
     # ---- setup ----------------------------------------------------------------------------------------------
 
@@ -87,12 +77,13 @@ class TrainerWorker:
             if meta.get("rng") is not None:  # JSON turned the key data into plain ints
                 meta["rng"] = np.asarray(meta["rng"], np.uint32)
             self.trainer.load_state_dict(meta, state["params"], state["opt_state"])
-            self.position, self.dropped = int(meta["position"]), int(meta.get("dropped", 0))
-            log.info("resumed from checkpoint step %d (data position %d)", step, self.position)
+            self._resume_meta = meta
+            log.info("resumed from checkpoint step %d (data position %d, %d prompts in flight)", step,
+                     int(meta["position"]), len(meta.get("in_flight", [])))
         self.transfer = HopChainTransfer(self.tw, jax.devices())
         self.infer_dtype = jnp.dtype(cfg.inference.params_dtype)
-        self.task = build_task(cfg.task) if self.rank == 0 else None
-        self._eval_samples: list | None = None
+        if self.rank == 0:
+            self._build_feeder_and_evals()
         self.gauges = RayGauges(cfg.run.name) if (cfg.logging.ray_metrics and self.rank == 0) else None
 
     def _warmstart(self, model: Any) -> None:
@@ -110,14 +101,18 @@ class TrainerWorker:
         self.trainer.load(params)
         self.trainer.rng = rng
 
-    def _log_rollouts(self, step: int, version: int, rollouts: list) -> None:
-        """One JSON line per trained group. Each trainer host writes its own share of the batch to its own file
-        (rollouts.jsonl, rollouts.rank1.jsonl, ...), so nothing is gathered over the network for logging."""
+    def _log_rollouts(self, step: int, version: int, rollouts: list, drops: list) -> None:
+        """One JSON line per trained group, and one per group dropped while collecting for this step. Each trainer
+        host writes its own share to its own file (rollouts.jsonl, rollouts.rank1.jsonl, ...), so nothing is
+        gathered over the network for logging."""
         name = "rollouts.jsonl" if self.rank == 0 else f"rollouts.rank{self.rank}.jsonl"
         with open(os.path.join(self.run_dir, name), "a") as f:
+            for d in drops:
+                f.write(json.dumps(d) + "\n")
             for r in rollouts:
                 f.write(json.dumps({
-                    "step": step, "trainer_version": version, "id": r.sample[2].id, "position": r.sample[0],
+                    "step": step, "trainer_version": version, "pid": os.getpid(), "id": r.sample[2].id,
+                    "position": r.sample[0],
                     "worker": r.worker,
                     "completions": [{
                         "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
@@ -135,148 +130,142 @@ class TrainerWorker:
         if self.rank == 0:
             for _ in range(self.inference_hosts):
                 self.q["weight_sync"].put({"version": self.trainer.version})
+        faults.point("weight_sync", self.rank, self.trainer.step_count, self.run_dir)
         _, m = self.transfer.transfer(params)
         del params
-        self.synced_version = self.trainer.version
+        if self.feeder is not None:  # gate on the version inference holds, not the trainer's own
+            self.feeder.set_synced(self.trainer.version)
         m["weight_sync_s"] = time.perf_counter() - t0
         return m
 
-    # ---- prompt feeding (rank 0) ----------------------------------------------------------------------------
+    # ---- prompt feeding and evals (rank 0) ------------------------------------------------------------------
 
-    def _allowed(self) -> int:
-        slack = self.P if self.cfg.async_.max_lag > 0 else 0
-        return self.P * (self.synced_version + self.cfg.async_.max_lag + 1) + self.dropped + slack
+    def _build_feeder_and_evals(self) -> None:
+        cfg, t = self.cfg, self.cfg.async_.queue_timeout_s
+        task = build_task(cfg.task)
+        remote = self.q["consumed"].drain if self.tw > 1 else None
+        self.feeder = Feeder(lambda: task.samples("train", cfg.task.seed), lambda item, to: self.q["prompt"].put(item, to),
+                             prompts_per_step=self.P, max_lag=cfg.async_.max_lag, group_size=cfg.inference.group_size,
+                             oversample=cfg.loss.filter_zero_variance,
+                             drain_remote=remote, timeout_s=t, who=f"trainer{self.rank}")
+        if self._resume_meta:
+            self.feeder.restore(self._resume_meta)
+        self.evals = Evals(lambda: task.samples("eval", cfg.task.seed), cfg.eval.num_prompts, cfg.eval.group_size,
+                           self.run_dir, put=lambda item, to: self.q["eval_prompt"].put(item, to),
+                           poll=self.q["eval_rollout"].poll, qsize=self.q["eval_rollout"].qsize, timeout_s=t,
+                           who=f"trainer{self.rank}")
 
-    def _feed(self) -> None:
-        it = self.task.samples("train", self.cfg.task.seed)
-        for _ in itertools.islice(it, self.position):  # resume: skip what earlier runs consumed
-            pass
-        try:
-            while not self.stop.is_set():
-                if self.position >= self._allowed():
-                    time.sleep(0.02)
-                    continue
-                sample = next(it)
-                item = PromptItem(self.position, sample, self.cfg.inference.group_size)
-                while not self.stop.is_set():
-                    try:
-                        self.q["prompt"].put(item, timeout=1.0)
-                        break
-                    except TimeoutError:
-                        continue
-                self.position += 1
-        except BaseException as e:  # surfaced by the step loop
-            self.feed_error = e
+    def _on_consumed(self, step: int, drops: list) -> Any:
+        """The collector's callback: credit the feeder at once (directly on rank 0, by queue from the others)."""
+        def on(rollout: Any, reason: str | None) -> None:
+            position = rollout.sample[0]
+            if reason is not None:
+                drops.append({"step": step, "pid": os.getpid(), "dropped": reason, "position": position,
+                              "id": rollout.sample[2].id,
+                              "oldest_version": rollout.oldest_version})
+            if self.feeder is not None:
+                self.feeder.consumed(position, reason)
+            else:
+                self.q["consumed"].put((position, reason))
+        return on
 
-    # ---- eval (rank 0) --------------------------------------------------------------------------------------
-
-    def launch_eval(self, round_: int) -> int:
-        e = self.cfg.eval
-        if self._eval_samples is None:  # the same held-out prompts every round
-            self._eval_samples = list(itertools.islice(self.task.samples("eval", self.cfg.task.seed), e.num_prompts))
-        samples = self._eval_samples
-        for i, s in enumerate(samples):
-            self.q["eval_prompt"].put(PromptItem(1_000_000_000 + i, s, e.group_size, True, round_))
-        return len(samples)
-
-    def collect_eval(self, n: int, round_: int, timeout: float) -> dict[str, float]:
-        groups, deadline = [], time.time() + timeout
-        while len(groups) < n:
-            r = self.q["eval_rollout"].poll(max(0.1, min(1.0, deadline - time.time())))
-            if r is None:
-                if time.time() > deadline:
-                    raise TimeoutError(f"trainer0 waited {timeout:.0f}s for eval round {round_} "
-                                       f"({len(groups)}/{n} groups) on the 'eval_rollout' queue")
-                continue
-            if r.sample[1] == round_:
-                groups.append(r)
-        groups.sort(key=lambda g: g.sample[0])  # eval-set order
-        # Every eval sample, for inspection and for paired comparisons of two evals (same prompts, same order).
-        with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
-            for g in groups:
-                f.write(json.dumps({"round": round_, "version": g.oldest_version, "id": g.sample[2].id,
-                                    "answer": g.sample[2].answer,
-                                    "completions": [{"text": c.text, "reward": c.reward, "reason": c.reason}
-                                                    for c in g.completions]}) + "\n")
-        stats = summarize_rewards([list(g.rewards) for g in groups])
-        out = {f"eval/{k}": float(v) for k, v in stats.items()}
-        out["eval/reward_mean"] = float(np.mean([g.rewards.mean() for g in groups]))
-        out["eval/version"] = float(min(g.oldest_version for g in groups))
-        out["eval/prompts"] = float(len(groups))
-        out["eval/samples"] = float(sum(len(g.completions) for g in groups))
-        return out
+    def _check(self) -> None:
+        if self.feeder is not None:
+            self.feeder.check()
 
     # ---- main loop ------------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        from asyncrl.train.batch import build_batch, collect_rollouts
+        from asyncrl.train.batch import build_batch
+        from asyncrl.train.collect import collect_rollouts
 
         self._build()
         cfg, tr = self.cfg, self.trainer
         log.info("trainer %d ready: version %d, %d inference hosts", self.rank, tr.version, self.inference_hosts)
         sync_m = self.sync_weights()  # inference starts from exactly the trainer's weights
-        self.feed_error: BaseException | None = None
-        if self.rank == 0:
-            threading.Thread(target=self._feed, name="prompt-feeder", daemon=True).start()
+        if self.feeder is not None:
+            self.feeder.start()
         evals_every = cfg.eval.every_n_steps
-        pending_eval: tuple[int, int, int] | None = None  # (round, n, launched at step)
-        if self.rank == 0 and evals_every and tr.step_count == 0:
-            pending_eval = (0, self.launch_eval(0), 0)
+        if self.evals is not None and evals_every and tr.step_count == 0:
+            self.evals.launch(0, 0)
         total = cfg.train.total_steps
         last_row: dict[str, Any] = {}
-        while tr.step_count < total:
-            step = tr.step_count + 1
-            t0 = time.perf_counter()
-            rollouts, host_m = collect_rollouts(
-                lambda t: self.q["rollout"].poll(t), self.P // self.tw, tr.version, cfg.async_.max_lag,
-                cfg.loss.filter_zero_variance, cfg.async_.queue_timeout_s, who=f"trainer{self.rank}",
-            )
-            if self.feed_error is not None:
-                raise self.feed_error
-            rollouts.sort(key=lambda r: r.sample[0])  # by data position: same batch order whatever arrived first
-            batch = build_batch(rollouts, tr.version, cfg.loss, cfg.train.pad_to_multiple)
-            every = cfg.logging.rollouts_every_n_steps
-            if every and step % every == 0:
-                self._log_rollouts(step, tr.version, rollouts)
-            metrics = tr.step(batch, host_m)
-            self.dropped += int(metrics.get("rollout/filtered_lag", 0) + metrics.get("rollout/filtered_zero_variance", 0))
-            sync_m = self.sync_weights()
-            n_tokens = float(np.asarray(batch.seq_lens).sum()) * self.tw
-            row: dict[str, Any] = {"step": step, **metrics, **sync_m, "weight_version": tr.version,
-                                   "train/tokens_per_s": n_tokens / max(metrics.get("train/step_time_s", 1e-9), 1e-9),
-                                   "step_time_s": time.perf_counter() - t0}
-            if self.rank == 0:
-                row |= self._inference_metrics()
-                if pending_eval is not None and self.q["eval_rollout"].qsize() >= pending_eval[1]:
-                    row |= self.collect_eval(pending_eval[1], pending_eval[0], cfg.async_.queue_timeout_s)
-                    row["eval/at_step"] = pending_eval[2]
-                    pending_eval = None
-                if evals_every and step % evals_every == 0 and step < total and pending_eval is None:
-                    pending_eval = (step, self.launch_eval(step), step)
-            if step == total:
-                self.stop.set()  # no more train prompts: inference capacity goes to the final eval
-            if self.rank == 0:
-                if step == total and evals_every:  # the final eval, on the final weights
-                    if pending_eval is not None:
-                        self.collect_eval(pending_eval[1], pending_eval[0], cfg.async_.queue_timeout_s)
-                    row |= self.collect_eval(self.launch_eval(step), step, cfg.async_.queue_timeout_s)
-                    row["eval/at_step"] = step
-                if self.gauges is not None:
-                    self.gauges.set(row)
-                self.q["driver"].put(row)
-            # After the metrics row: a checkpoint must never exist for a step whose row was not yet published
-            # (a resume would then skip that row); the reverse is harmless (the driver drops rows past it).
-            if self.ckpt is not None and cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0:
-                self.ckpt.save(step, tr.params, tr.opt_state, {**tr.state_dict(), "position": self._consumed(),
-                                                               "dropped": self.dropped})
-            last_row = row
-        self.stop.set()
+        pool: list = []  # groups received but not trained yet (collect.py: oldest first)
+        # Waiting for the oldest in-flight groups needs to know them all: the feeder does, on a single trainer
+        # host. With several, each host's share arrives on a shared queue, so hosts take what reaches them.
+        urgent = (lambda: self.feeder.urgent(tr.version)) if self.feeder is not None and self.tw == 1 else None
+        try:
+            while tr.step_count < total:
+                step = tr.step_count + 1
+                faults.point("step", self.rank, step, self.run_dir)
+                t0 = time.perf_counter()
+                drops: list[dict[str, Any]] = []
+                rollouts, host_m = collect_rollouts(
+                    lambda t: self.q["rollout"].poll(t), self.P // self.tw, tr.version, cfg.async_.max_lag,
+                    cfg.loss.filter_zero_variance, cfg.async_.queue_timeout_s, who=f"trainer{self.rank}",
+                    on_consumed=self._on_consumed(step, drops), check=self._check, pool=pool, urgent=urgent,
+                )
+                rollouts.sort(key=lambda r: r.sample[0])  # by data position: same batch order whatever arrived first
+                batch = build_batch(rollouts, tr.version, cfg.loss, cfg.train.pad_to_multiple)
+                every = cfg.logging.rollouts_every_n_steps
+                if every and step % every == 0:
+                    self._log_rollouts(step, tr.version, rollouts, drops)
+                metrics = tr.step(batch, host_m)
+                sync_m = self.sync_weights()
+                n_tokens = float(np.asarray(batch.seq_lens).sum()) * self.tw
+                row: dict[str, Any] = {"step": step, **metrics, **sync_m, "weight_version": tr.version,
+                                       "train/tokens_per_s": n_tokens / max(metrics.get("train/step_time_s", 1e-9), 1e-9),
+                                       "step_time_s": time.perf_counter() - t0}
+                if step == total:
+                    self.stop.set()
+                    if self.feeder is not None:  # no more train prompts: inference goes to the final eval
+                        self.feeder.stop.set()
+                if self.rank == 0:
+                    row |= self._inference_metrics()
+                    row |= self._evals_at(step, total, evals_every)
+                    if self.gauges is not None:
+                        self.gauges.set(row)
+                    self.q["driver"].put(row)
+                # After the metrics row: a checkpoint must never exist for a step whose row was not yet published
+                # (a resume would then skip that row); the reverse is harmless (the driver drops rows past it).
+                if self.ckpt is not None and cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0:
+                    self.ckpt.save(step, tr.params, tr.opt_state, {**tr.state_dict(), **self._feeder_state()})
+                last_row = row
+        finally:
+            self.stop.set()
+            if self.feeder is not None:
+                self.feeder.stop.set()
         if self.ckpt is not None:
             self.ckpt.close()
         if cfg.checkpoint.export_hf:
             self._export()
         return {"steps": tr.step_count, "version": tr.version, "last": {k: v for k, v in last_row.items()
                                                                          if isinstance(v, (int, float))}}
+
+    def _evals_at(self, step: int, total: int, every: int) -> dict[str, Any]:
+        """The eval metrics this step's row carries: a round that came back is collected, the next is launched;
+        at the final step the pending round is waited for and recorded, then the final eval runs."""
+        ev, out = self.evals, {}
+        if ev is None or not every:
+            return out
+        if step == total:
+            if ev.pending is not None:
+                ev.collect()  # recorded in evals.jsonl; the final row carries the final eval
+            ev.launch(step, step)
+            return ev.collect()
+        if ev.ready():
+            out = ev.collect()
+        if step % every == 0 and ev.pending is None:
+            ev.launch(step, step)
+        return out
+
+    def _feeder_state(self) -> dict[str, Any]:
+        """Checkpoint meta of the data stream (the same on every trainer host: only rank 0 has a feeder, but the
+        primary host writes the meta)."""
+        if self.feeder is None:
+            return {}
+        self.feeder.drain_remote()  # every host's consumption up to this step is queued by now (the step is collective)
+        return self.feeder.state()
 
     def _export(self) -> None:
         """The final policy as a Hugging Face folder (run_dir/hf) that transformers and vLLM read."""
@@ -294,11 +283,6 @@ class TrainerWorker:
                 if f.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
                     shutil.copy(os.path.join(src, f), os.path.join(out, f))
             log.info("exported the final policy to %s", out)
-
-    def _consumed(self) -> int:
-        """Data position to resume from: every prompt released so far has been trained on or dropped, except
-        those still queued or in flight, which a resumed run regenerates (same positions, same samples)."""
-        return self.P * self.trainer.step_count + self.dropped if self.cfg.async_.max_lag == 0 else self.position
 
     def _inference_metrics(self) -> dict[str, float]:
         rows = self.q["inference_metrics"].drain()

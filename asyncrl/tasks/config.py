@@ -75,9 +75,16 @@ class VerifierConfig:
     memory_limit_mb: int = 2048
     """Address space (MiB) a worker may add after start-up; beyond it allocations fail inside the worker (reason
     'error') instead of exhausting the machine. 0 = no cap."""
+    max_pending: int = 4096
+    """Answers waiting for a worker before `submit` blocks (back-pressure on decode). A submit blocked for
+    `submit_timeout_s` fails with an error naming the pool, instead of queueing without bound."""
+    submit_timeout_s: float = 300.0
+    """Longest `submit` waits for room among the pending answers."""
 
     def __post_init__(self) -> None:
         check_choice("task.verifier.mode", self.mode, VERIFIER_MODES)
+        check("task.verifier.max_pending", self.max_pending, self.max_pending >= 1, ">= 1")
+        check("task.verifier.submit_timeout_s", self.submit_timeout_s, self.submit_timeout_s > 0, "> 0")
         check("task.verifier.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
         check("task.verifier.workers", self.workers, self.workers >= 0, ">= 0")
         check("task.verifier.max_answer_chars", self.max_answer_chars, self.max_answer_chars > 0, "> 0")

@@ -153,6 +153,7 @@ class Verifier:
         self.task = task
         self.cfg = cfg
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a pending answer leaves for a worker
         self._pending: deque[_Job] = deque()
         self._ids = itertools.count()
         self._closed = False
@@ -181,6 +182,11 @@ class Verifier:
             future.set_result(self._score_inline(completion, sample))
             return future
         with self._lock:
+            if not self._room.wait_for(lambda: len(self._pending) < self.cfg.max_pending or self._closed
+                                       or self._fatal is not None, timeout=self.cfg.submit_timeout_s):
+                raise TimeoutError(f"Verifier: {len(self._pending)} answers pending (task.verifier.max_pending="
+                                   f"{self.cfg.max_pending}) for {self.cfg.submit_timeout_s:.0f}s; the {self.cfg.workers} "
+                                   "grading workers are not keeping up or are stuck")
             if self._closed:
                 raise RuntimeError("Verifier.submit after close()")
             if self._fatal is not None:
@@ -218,6 +224,7 @@ class Verifier:
             if self._closed:
                 return
             self._closed = True
+            self._room.notify_all()
         if self.cfg.workers == 0:
             return
         self._wake()
@@ -326,6 +333,7 @@ class Verifier:
             while True:
                 with self._lock:
                     job = self._pending.popleft() if self._pending else None
+                    self._room.notify_all()
                 if job is None or job.future.set_running_or_notify_cancel():
                     break
             if job is None:
@@ -392,6 +400,7 @@ class Verifier:
                 self._fatal = e
                 jobs = list(self._pending) + [w.job for w in self._workers if w.job is not None]
                 self._pending.clear()
+                self._room.notify_all()
             for job in jobs:
                 if not job.future.done():
                     if job.future.running() or job.future.set_running_or_notify_cancel():

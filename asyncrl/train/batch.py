@@ -1,9 +1,5 @@
-"""Rollouts -> one RL batch: collecting groups from a queue (staleness and zero-variance filters) and padding.
-
-`collect_rollouts` is the blog's `get_rollouts`: it blocks until this host has its share of groups, dropping a
-group whose oldest token was sampled more than `max_lag` weight versions ago and, optionally, a group whose
-rewards are all equal (DAPO's dynamic sampling: such a group has zero advantage everywhere). It takes any
-`get_rollout(timeout)` callable, so a `queue.Queue`, a Ray queue or a test list all work.
+"""Rollouts -> one RL batch, and padding (collecting the groups from a queue, with the staleness and
+zero-variance filters, is `collect.py`).
 
 `build_batch` turns this host's groups into a host-local numpy `RLBatch`. Sequence lengths are padded up to a
 multiple of `pad_to_multiple` so that the number of compiled train steps stays bounded.
@@ -12,8 +8,6 @@ multiple of `pad_to_multiple` so that the number of compiled train steps stays b
 from __future__ import annotations
 
 import logging
-import queue
-import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -137,69 +131,6 @@ def pad_batch(batch: RLBatch, seq_len: int) -> RLBatch:
     pad = lambda x: np.pad(np.asarray(x), ((0, 0), (0, seq_len - T)))  # noqa: E731
     return replace(batch, tokens=pad(batch.tokens), sampler_logprobs=pad(batch.sampler_logprobs),
                    loss_mask=pad(batch.loss_mask), weights=pad(batch.weights))
-
-
-class RolloutTimeout(TimeoutError):
-    """The rollout queue stayed empty for longer than the collector's timeout."""
-
-
-def collect_rollouts(
-    get_rollout: Callable[[float], Rollout | None],
-    n_groups: int,
-    version: int,
-    max_lag: int,
-    drop_zero_variance: bool = False,
-    timeout_s: float = 300.0,
-    who: str = "trainer",
-    clock: Callable[[], float] = time.monotonic,
-) -> tuple[list[Rollout], HostMetrics]:
-    """Block until `n_groups` groups pass the filters; returns them and the collection metrics.
-
-    `get_rollout(timeout)` returns a Rollout, or returns None / raises `queue.Empty` / `TimeoutError` when nothing
-    came within `timeout` seconds. A group is dropped when `version - rollout.oldest_version > max_lag` (counted
-    as `rollout/filtered_lag`) or, with `drop_zero_variance`, when all its rewards are equal
-    (`rollout/filtered_zero_variance`)."""
-    kept: list[Rollout] = []
-    lags: list[int] = []
-    filtered = {"lag": 0, "zero_variance": 0}
-    start = clock()
-    while len(kept) < n_groups:
-        try:
-            rollout = get_rollout(timeout_s)
-        except (queue.Empty, TimeoutError):
-            rollout = None
-        if rollout is None:
-            raise RolloutTimeout(f"{who} waited {timeout_s:.0f}s for a rollout from the inference workers "
-                                 f"(has {len(kept)}/{n_groups} groups for version {version}, dropped {filtered})")
-        lag = version - rollout.oldest_version
-        if lag > max_lag:
-            filtered["lag"] += 1
-        elif drop_zero_variance and is_zero_variance(rollout):
-            filtered["zero_variance"] += 1
-        else:
-            kept.append(rollout)
-            lags.append(lag)
-            continue
-        dropped = sum(filtered.values())
-        if dropped % 10 == 0:
-            log.warning("%s dropped %d groups so far for version %d (%s); if this is frequent, raise async.max_lag "
-                        "or disable zero-variance filtering", who, dropped, version, filtered)
-    waited = clock() - start
-    rewards = np.concatenate([r.rewards for r in kept])
-    lengths = np.asarray([len(c.tokens) for r in kept for c in r.completions], np.float32)
-    metrics = {
-        "rollout/queue_wait_s_max": waited,
-        "rollout/lag_min": float(min(lags)),
-        "rollout/lag_max": float(max(lags)),
-        "rollout/lag_mean": float(np.mean(lags)),
-        "rollout/filtered_lag": float(filtered["lag"]),
-        "rollout/filtered_zero_variance": float(filtered["zero_variance"]),
-        "rollout/reward_mean": float(np.mean(rewards)),
-        "rollout/completion_len_mean": float(np.mean(lengths)),
-        # Completions that a weight update reached mid-generation (their tokens carry two or more versions).
-        "rollout/in_flight_updated": float(sum(bool(c.version_boundaries) for r in kept for c in r.completions)),
-    }
-    return kept, metrics
 
 
 def combine_host_metrics(per_host: Sequence[HostMetrics]) -> HostMetrics:

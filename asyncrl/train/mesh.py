@@ -53,11 +53,19 @@ def make_train_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None
     shape = cfg.resolve(len(devices))
     types = (AxisType.Explicit,) * len(MESH_AXES)
     try:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+        mesh = jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
     except (ValueError, NotImplementedError) as e:
         # make_mesh wants physical-topology-friendly shapes; a hand-picked device subset may not be one.
         log.info("jax.make_mesh(%s) failed (%s); building the mesh in the given device order", shape, e)
         return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=types)
+    cp_groups = mesh.devices.reshape(-1, shape[-1])
+    if shape[-1] > 1 and any(len({d.process_index for d in g}) > 1 for g in cp_groups):
+        # make_mesh laid cp along a torus dimension that crosses hosts (e.g. z on a v5p slice); cp groups must
+        # stay within a host (see the module docstring), so order the devices host by host instead: a host's
+        # chips are ICI neighbours, which is where Ulysses' all-to-alls belong anyway.
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        mesh = Mesh(np.asarray(ordered).reshape(shape), MESH_AXES, axis_types=types)
+    return mesh
 
 
 def train_rules(cfg: ShardingConfig) -> ShardingRules:

@@ -1,0 +1,57 @@
+"""Fault injection for chaos tests: a host SIGKILLs itself (or hangs) at a named point of the loop.
+
+Some faults cannot be aimed from outside: a kill that must land *inside* a weight sync, or a hang that the
+driver's stall detector must catch. `ASYNCRL_FAULTS` names them, `;`-separated, each `action@point:rank:step`:
+
+    ASYNCRL_FAULTS="kill@weight_sync:1:7;hang@step:0:3"
+
+`kill` SIGKILLs the process (no cleanup, like a lost VM); `hang` sleeps forever. Points: `step` (a trainer host
+starting step N), `weight_sync` (a host entering the sync that follows step N; the initial sync is step 0).
+Inference hosts count syncs by the version they receive. Each fault fires once per run directory (a marker file
+records it), so a restarted host does not die again at the same place. Unset in normal runs: `point` is then a
+dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+log = logging.getLogger(__name__)
+
+ENV = "ASYNCRL_FAULTS"
+
+
+def parse(spec: str) -> list[tuple[str, str, int, int]]:
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        try:
+            action, rest = part.split("@")
+            point, rank, step = rest.split(":")
+            if action not in ("kill", "hang") or point not in ("step", "weight_sync"):
+                raise ValueError
+            out.append((action, point, int(rank), int(step)))
+        except ValueError:
+            raise ValueError(f"{ENV}: bad fault {part!r}; expected action@point:rank:step with action kill|hang and "
+                             "point step|weight_sync") from None
+    return out
+
+
+def point(name: str, rank: int, step: int, run_dir: str) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    for action, where, r, s in parse(spec):
+        if (where, r, s) != (name, rank, step):
+            continue
+        marker = os.path.join(run_dir, f".fault-{action}-{where}-{r}-{s}")
+        if os.path.exists(marker):
+            continue
+        open(marker, "w").close()
+        log.warning("fault injection: %s at %s (rank %d, step %d)", action, where, rank, step)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang
+            time.sleep(3600)

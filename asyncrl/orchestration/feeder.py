@@ -1,0 +1,197 @@
+"""The prompt feeder (trainer rank 0): releases train prompts under the exact `max_lag` gate, and keeps the
+account of every data position it released, so a checkpoint can say which prompts were still in flight.
+
+The gate. Step s (1-based) trains on weights of version s - 1 and accepts a group whose oldest token was sampled
+at version >= s - 1 - max_lag. A prompt released once inference holds version v is sampled at >= v, so the
+prompts of step s may be released as soon as v >= s - 1 - max_lag, and not earlier: at most
+P * (v + max_lag + 1) positions, plus one more for every group dropped so far (a dropped group's step still needs
+a replacement). No step of slack: a prompt released earlier would come back too stale and be dropped, wasting
+its decode.
+
+Credit. Every trainer host tells the feeder about each group it consumes (trained or dropped) as soon as it sees
+it, through `consumed(position, reason)` on rank 0 and a queue from the other ranks. A drop frees a position
+immediately, so a trainer short of groups (zero-variance filtering, lag) never waits for prompts that nobody
+releases.
+
+Oversampling. Replacing drops one at a time is correct but serial: when most groups have zero variance (DAPO late
+in training) each replacement is a full round trip, and a step takes dozens of them. So the feeder also releases,
+up front, the replacements it expects to need: `oversample_for(P)` extra prompts per step, from a running
+estimate f of the zero-variance share (P f / (1 - f), at most 4 P). At max_lag = 0 the extras a step does not
+use come back one version too stale and are dropped for lag (DAPO's own oversampling discards them too); at
+max_lag >= 1 the trainer carries them to the next step.
+
+Resume. `state()` records the next new position, the dropped count and the positions released but not yet
+consumed. `restore()` puts those in-flight positions first in line: a resumed run generates them again, with the
+same per-position seeds, so nothing is skipped and nothing is trained twice, whatever `max_lag` is.
+
+No Ray here: `put(item, timeout)` and `samples()` are plain callables, so the logic is tested in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptItem:
+    """What travels on the prompt queues: the task sample, its data position (seeds its samples), and n."""
+
+    position: int
+    sample: Any
+    n: int
+    is_eval: bool = False
+    eval_round: int = -1
+
+
+class FeederError(RuntimeError):
+    """The feeder thread died; the message carries its own traceback."""
+
+
+class Feeder:
+    def __init__(self, samples: Callable[[], Iterator[Any]], put: Callable[[PromptItem, float], None], *,
+                 prompts_per_step: int, max_lag: int, group_size: int, oversample: bool = False,
+                 drain_remote: Callable[[], list[tuple[int, bool]]] | None = None, poll_s: float = 0.02,
+                 timeout_s: float = 300.0, who: str = "trainer0"):
+        self._samples, self._put, self._drain_remote = samples, put, drain_remote
+        self.P, self.max_lag, self.n, self.poll_s = prompts_per_step, max_lag, group_size, poll_s
+        self.timeout_s, self.who = timeout_s, who
+        self.lock = threading.Lock()
+        self.position = 0  # next new data position
+        self.dropped = 0
+        self.in_flight: set[int] = set()  # released, not yet consumed
+        self.released_at: dict[int, int] = {}  # in-flight position -> the synced version when it was released
+        self.oversample = oversample
+        self.zero_variance_share = 0.0  # running estimate over consumed groups (drives oversampling)
+        self._redo: list[int] = []  # in-flight positions of a checkpoint, released again first
+        self.synced_version = -1  # the version the inference hosts hold
+        self.stop = threading.Event()
+        self.error: FeederError | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- accounting ----------------------------------------------------------------------------------------
+
+    def allowed(self) -> int:
+        """New positions below this may be released now (see the module docstring)."""
+        return self.P * (self.synced_version + self.max_lag + 1) + self.dropped + self.oversample_for(self.P)
+
+    def oversample_for(self, n: int) -> int:
+        if not self.oversample:
+            return 0
+        f = min(self.zero_variance_share, 0.8)  # 0.8: at most 4 n extra
+        return int(np.ceil(n * f / (1 - f)))
+
+    def consumed(self, position: int, reason: str | None) -> None:
+        """A trainer host took (reason None) or dropped ("lag", "zero_variance") a group: it leaves the in-flight
+        set, and a drop lets one more prompt out at once."""
+        with self.lock:
+            if position not in self.in_flight:
+                raise ValueError(f"feeder: group at data position {position} was never released or was already "
+                                 f"consumed (in flight: {sorted(self.in_flight)[:8]}...)")
+            self.in_flight.discard(position)
+            self.released_at.pop(position, None)
+            if reason is not None:
+                self.dropped += 1
+            if reason != "lag":  # lag drops say nothing about the rewards (and oversampling causes some)
+                self.zero_variance_share += 0.05 * (float(reason == "zero_variance") - self.zero_variance_share)
+
+    def drain_remote(self) -> None:
+        """Apply what the other trainer hosts reported (rank 0 calls it before it checkpoints)."""
+        if self._drain_remote is not None:
+            for position, reason in self._drain_remote():
+                self.consumed(position, reason)
+
+    def urgent(self, version: int) -> set[int]:
+        """In-flight positions that a step training on `version` must wait for: released at version
+        <= version - max_lag, so they may be exactly max_lag stale now and too stale for the next step."""
+        with self.lock:
+            return {p for p, r in self.released_at.items() if r <= version - self.max_lag}
+
+    def set_synced(self, version: int) -> None:
+        with self.lock:
+            self.synced_version = version
+
+    def state(self) -> dict[str, Any]:
+        with self.lock:
+            return {"position": self.position, "dropped": self.dropped, "in_flight": sorted(self.in_flight)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """From `state()` of a checkpoint. A checkpoint from before in-flight tracking has no list: it resumes at
+        its position, as it always did."""
+        with self.lock:
+            self.position, self.dropped = int(state["position"]), int(state.get("dropped", 0))
+            self._redo = sorted(int(p) for p in state.get("in_flight", []))
+            self.in_flight = set(self._redo)  # still owed, even before they are released again
+            if any(p >= self.position for p in self._redo):
+                raise ValueError(f"checkpoint meta: in-flight positions {self._redo} must be below position "
+                                 f"{self.position}")
+
+    # ---- the thread ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="prompt-feeder", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Raise the feeder thread's error (with its traceback) in the caller."""
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the trainer's loop raises it (check) and the driver prints it
+            self.error = FeederError(f"the prompt feeder thread died: {e!r}\n{traceback.format_exc()}")
+            self.stop.set()
+
+    def _loop(self) -> None:
+        redo = set(self._redo)
+        it = self._samples()
+        wanted = {}
+        # Walk the data stream to the resume point, keeping the samples of the positions to generate again.
+        for pos, sample in zip(range(self.position), it):
+            if pos in redo:
+                wanted[pos] = sample
+        for pos in self._redo:
+            self._release(pos, wanted[pos], new=False)
+        self._redo = []
+        for sample in it:
+            while not self.stop.is_set():
+                self.drain_remote()
+                with self.lock:
+                    ok = self.position < self.allowed()
+                if ok:
+                    break
+                time.sleep(self.poll_s)
+            if self.stop.is_set():
+                return
+            self._release(self.position, sample, new=True)
+
+    def _release(self, position: int, sample: Any, new: bool) -> None:
+        # In flight from before the put (a fast consumer may report it back before `put` returns) until a trainer
+        # consumes it; one the queue never took stays owed, so a checkpoint still lists it.
+        with self.lock:
+            self.in_flight.add(position)
+            self.released_at[position] = self.synced_version
+            if new:
+                self.position = position + 1
+        item = PromptItem(position, sample, self.n)
+        deadline = time.monotonic() + self.timeout_s
+        while not self.stop.is_set():  # the prompt queue is bounded: wait in short slices, stoppable
+            try:
+                self._put(item, 1.0)
+                return
+            except TimeoutError:
+                self.drain_remote()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.who} prompt feeder waited {self.timeout_s:.0f}s to put the prompt "
+                                       f"at data position {position} on the full 'prompt' queue; no inference "
+                                       "host is taking prompts") from None

@@ -1,0 +1,140 @@
+"""Collecting one step's groups from the rollout queue: the blog's `get_rollouts`, with staleness kept exact.
+
+A group is dropped when its oldest token was sampled more than `max_lag` weight versions ago
+(`rollout/filtered_lag`) or, with `drop_zero_variance`, when all its rewards are equal
+(`rollout/filtered_zero_variance`: DAPO's dynamic sampling, such a group has zero advantage everywhere).
+
+Oldest first. Groups finish out of order (continuous batching, several replicas), so a step that takes whatever
+arrives first can take the next step's quick groups and leave its own stragglers to come back one version too
+stale and be dropped, their decode wasted. With a `pool` (groups received but not yet trained, carried from step
+to step) and `urgent()` (positions still in flight that would be too stale for the next step: the prompt
+feeder knows them), a step waits for its urgent groups, trains the oldest groups it holds, and carries the
+rest. Without them it takes arrivals in order, as the blog does.
+
+`get_rollout(timeout)` is any callable that returns a Rollout, or None / raises `queue.Empty` / `TimeoutError`
+when nothing came: a `queue.Queue`, a Ray queue or a test list all work.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import Callable
+
+import numpy as np
+
+from asyncrl.inference.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+HostMetrics = dict[str, float]
+
+
+class RolloutTimeout(TimeoutError):
+    """The rollout queue stayed empty for longer than the collector's timeout."""
+
+
+def is_zero_variance(rollout: Rollout) -> bool:
+    r = rollout.rewards
+    return bool(r.max() == r.min())
+
+
+def collect_rollouts(
+    get_rollout: Callable[[float], Rollout | None],
+    n_groups: int,
+    version: int,
+    max_lag: int,
+    drop_zero_variance: bool = False,
+    timeout_s: float = 300.0,
+    who: str = "trainer",
+    clock: Callable[[], float] = time.monotonic,
+    on_consumed: Callable[[Rollout, str | None], None] | None = None,
+    check: Callable[[], None] | None = None,
+    poll_s: float = 1.0,
+    pool: list[Rollout] | None = None,
+    urgent: Callable[[], set[int]] | None = None,
+) -> tuple[list[Rollout], HostMetrics]:
+    """Block until `n_groups` groups pass the filters; returns them (oldest first when pooling) and the metrics.
+
+    `on_consumed(rollout, reason)` is told of every group as it is taken (reason None) or dropped ("lag",
+    "zero_variance"), at once: the prompt feeder credits a drop before this call returns, so a host short of
+    groups gets replacements. `check()` runs between polls of at most `poll_s` seconds and may raise (a dead
+    feeder thread's error then surfaces here instead of a generic timeout). The timeout counts from the last
+    group received. `pool` is read and left holding the groups carried to the next step; `urgent()` returns the
+    data positions (`rollout.sample[0]`) to wait for before taking newer groups."""
+    filtered = {"lag": 0, "zero_variance": 0}
+    held: list[Rollout] = []
+
+    def admit(rollout: Rollout) -> None:
+        reason = None
+        if version - rollout.oldest_version > max_lag:
+            reason = "lag"
+        elif drop_zero_variance and is_zero_variance(rollout):
+            reason = "zero_variance"
+        if reason is None:
+            held.append(rollout)
+            return
+        if on_consumed is not None:
+            on_consumed(rollout, reason)
+        filtered[reason] += 1
+        if sum(filtered.values()) % 10 == 0:
+            log.warning("%s dropped %d groups so far for version %d (%s); if this is frequent, raise async.max_lag "
+                        "or disable zero-variance filtering", who, sum(filtered.values()), version, filtered)
+
+    def enough() -> bool:
+        if len(held) < n_groups:
+            return False
+        if urgent is None:
+            return True
+        waiting = urgent() - {r.sample[0] for r in held}
+        return not waiting or sum(version - r.oldest_version == max_lag for r in held) >= n_groups
+
+    carried = list(pool or [])
+    if pool is not None:
+        pool.clear()
+    for r in carried:  # a version later now: some may have become too stale
+        admit(r)
+    start = clock()  # `clock` times the wait for the metrics; the timeout runs on the real monotonic clock
+    deadline = time.monotonic() + timeout_s
+    while not enough():
+        if check is not None:
+            check()
+        try:
+            rollout = get_rollout(max(0.0, min(poll_s, deadline - time.monotonic())))
+        except (queue.Empty, TimeoutError):
+            rollout = None
+        if rollout is None:
+            if time.monotonic() < deadline:
+                continue
+            waiting = sorted(urgent() - {r.sample[0] for r in held}) if urgent is not None else []
+            raise RolloutTimeout(f"{who} waited {timeout_s:.0f}s for a rollout from the inference workers "
+                                 f"(has {len(held)}/{n_groups} groups for version {version}, dropped {filtered}"
+                                 + (f", waiting for data positions {waiting[:8]}" if waiting else "") + ")")
+        deadline = time.monotonic() + timeout_s
+        admit(rollout)
+    waited = clock() - start
+    if pool is not None:  # oldest first; ties by data position, so the choice does not depend on arrival order
+        held.sort(key=lambda r: (r.oldest_version, r.sample[0]))
+        pool.extend(held[n_groups:])
+    kept = held[:n_groups]
+    if on_consumed is not None:
+        for r in kept:
+            on_consumed(r, None)
+    lags = [version - r.oldest_version for r in kept]
+    rewards = np.concatenate([r.rewards for r in kept])
+    lengths = np.asarray([len(c.tokens) for r in kept for c in r.completions], np.float32)
+    metrics = {
+        "rollout/queue_wait_s_max": waited,
+        "rollout/lag_min": float(min(lags)),
+        "rollout/lag_max": float(max(lags)),
+        "rollout/lag_mean": float(np.mean(lags)),
+        "rollout/filtered_lag": float(filtered["lag"]),
+        "rollout/filtered_zero_variance": float(filtered["zero_variance"]),
+        "rollout/reward_mean": float(np.mean(rewards)),
+        "rollout/completion_len_mean": float(np.mean(lengths)),
+        # Completions that a weight update reached mid-generation (their tokens carry two or more versions).
+        "rollout/in_flight_updated": float(sum(bool(c.version_boundaries) for r in kept for c in r.completions)),
+        "rollout/carried": float(len(pool or [])),
+    }
+    return kept, metrics

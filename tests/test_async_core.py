@@ -1,0 +1,480 @@
+"""The async core without Ray: the prompt feeder's gate, drop credit and resume positions, the collector's
+callbacks, evals kept at the final step, and the inference host's weight-sync gate, all on in-process queues."""
+
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from asyncrl.inference.rollout import Completion, Rollout
+from asyncrl.orchestration.evals import Evals
+from asyncrl.orchestration.feeder import Feeder, FeederError
+from asyncrl.orchestration.inference_worker import InferenceWorker
+from asyncrl.orchestration.trainer_worker import TrainerWorker
+from asyncrl.train.collect import RolloutTimeout, collect_rollouts
+
+
+class FakeQueue:
+    """The RoleQueue interface over a bounded queue.Queue."""
+
+    def __init__(self, maxsize: int = 0):
+        self.q = queue.Queue(maxsize)
+
+    def put(self, item, timeout=None):
+        try:
+            self.q.put(item, timeout=timeout)
+        except queue.Full:
+            raise TimeoutError("full") from None
+
+    def poll(self, timeout):
+        try:
+            return self.q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def get_nowait(self):
+        return self.q.get_nowait()
+
+    def drain(self):
+        out = []
+        while True:
+            try:
+                out.append(self.q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def qsize(self):
+        return self.q.qsize()
+
+    def as_role(self, role, timeout=None):
+        return self
+
+
+def sample_stream():
+    i = 0
+    while True:
+        yield SimpleNamespace(id=f"s{i}", prompt=f"p{i}", answer=str(i))
+        i += 1
+
+
+def group(position, version, rewards, round_=-1):
+    comps = [Completion(tokens=np.array([1, 2], np.int32), logprobs=np.zeros(2, np.float32), forced=np.zeros(2, bool),
+                        versions=np.full(2, version, np.int32), reward=float(r)) for r in rewards]
+    return Rollout(sample=(position, round_, SimpleNamespace(id=f"s{position}", answer=str(position))),
+                   prompt_tokens=np.array([3], np.int32), completions=comps, group_size=len(rewards), uid=position)
+
+
+def wait_until(pred, timeout=5.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
+def make_feeder(P=4, max_lag=1, maxsize=1000, **kw):
+    q = FakeQueue(maxsize)
+    f = Feeder(sample_stream, q.put, prompts_per_step=P, max_lag=max_lag, group_size=2, poll_s=0.001, **kw)
+    return f, q
+
+
+def released(q):
+    return [item.position for item in q.drain()]
+
+
+# ---- the gate --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("max_lag", [0, 1, 2])
+def test_feeder_releases_exactly_max_lag_steps_ahead(max_lag):
+    P = 4
+    f, q = make_feeder(P, max_lag)
+    f.set_synced(0)  # the initial sync: inference holds version 0
+    f.start()
+    # Step s trains on version s-1 and accepts version >= s-1-max_lag: with v=0 synced, steps 1..max_lag+1.
+    assert wait_until(lambda: q.qsize() == P * (max_lag + 1))
+    time.sleep(0.05)
+    assert released(q) == list(range(P * (max_lag + 1)))  # and not one more (no step of slack)
+    f.set_synced(1)
+    assert wait_until(lambda: q.qsize() == P)
+    time.sleep(0.05)
+    assert released(q) == list(range(P * (max_lag + 1), P * (max_lag + 2)))
+    f.stop.set()
+
+
+def test_a_drop_releases_a_replacement_at_once():
+    f, q = make_feeder(P=4, max_lag=0)
+    f.set_synced(0)
+    f.start()
+    assert wait_until(lambda: q.qsize() == 4)
+    time.sleep(0.02)
+    assert released(q) == [0, 1, 2, 3]
+    f.consumed(1, "zero_variance")  # before the step: the trainer is short one group
+    assert wait_until(lambda: q.qsize() == 1)
+    assert released(q) == [4]
+    f.consumed(0, None)  # a kept group frees nothing until the weights move on
+    time.sleep(0.05)
+    assert q.qsize() == 0
+    assert f.state() == {"position": 5, "dropped": 1, "in_flight": [2, 3, 4]}
+    with pytest.raises(ValueError, match="position 0 was never released or was already consumed"):
+        f.consumed(0, None)
+    f.stop.set()
+
+
+def test_remote_ranks_credit_through_the_drain():
+    reports = []  # what trainer ranks > 0 put on the 'consumed' queue
+    f, q = make_feeder(P=2, max_lag=0, drain_remote=lambda: [reports.pop(0) for _ in range(len(reports))])
+    f.set_synced(0)
+    f.start()
+    assert wait_until(lambda: q.qsize() == 2)
+    reports.append((1, "lag"))  # rank 1 dropped the group of position 1
+    assert wait_until(lambda: q.qsize() == 3)  # the feeder drains while it waits, and replaces it
+    assert released(q) == [0, 1, 2]
+    assert f.state() == {"position": 3, "dropped": 1, "in_flight": [0, 2]}
+    f.stop.set()
+
+
+def test_feeder_error_surfaces_with_its_traceback_instead_of_a_timeout():
+    def broken():
+        yield SimpleNamespace(id="ok")
+        raise KeyError("dataset row 1 has no 'question' field")
+
+    q = FakeQueue()
+    f = Feeder(broken, q.put, prompts_per_step=4, max_lag=0, group_size=1, poll_s=0.001)
+    f.set_synced(0)
+    f.start()
+    rq = FakeQueue()
+    t0 = time.time()
+    with pytest.raises(FeederError, match=r"(?s)no 'question' field.*Traceback.*in broken"):
+        collect_rollouts(rq.poll, 4, 0, 0, timeout_s=60, check=f.check, poll_s=0.05)
+    assert time.time() - t0 < 10  # not the 60 s rollout timeout
+    with pytest.raises(RolloutTimeout):  # without a feeder error the timeout is still there
+        collect_rollouts(rq.poll, 1, 0, 0, timeout_s=0.1, poll_s=0.02)
+
+
+def test_feeder_put_gives_up_with_a_message():
+    q = FakeQueue(maxsize=1)
+    f = Feeder(sample_stream, q.put, prompts_per_step=4, max_lag=0, group_size=1, poll_s=0.001, timeout_s=1.5)
+    f.set_synced(0)
+    f.start()
+    assert wait_until(lambda: f.error is not None, timeout=10)
+    with pytest.raises(FeederError, match="waited 2s to put the prompt at data position 1 on the full 'prompt' queue"):
+        f.check()
+
+
+# ---- a simulated loop: feeder -> fake inference -> collector ---------------------------------------------------
+
+class Sim:
+    """Feeder, one fake inference thread and the collector, with the trainer's step order (collect, step, sync).
+    Inference samples a prompt at the version it holds when it takes it; `rewards(position)` scores its group."""
+
+    def __init__(self, P, max_lag, rewards, drop_zero_variance=False, decode_s=0.0, step_s=0.0, state=None, version=0,
+                 replicas=1, pooled=True, oversample=False):
+        self.P, self.max_lag, self.rewards, self.zv = P, max_lag, rewards, drop_zero_variance
+        self.prompts, self.rollouts = FakeQueue(5 * P), FakeQueue(10 * P)
+        self.feeder = Feeder(sample_stream, self.prompts.put, prompts_per_step=P, max_lag=max_lag, group_size=2,
+                             poll_s=0.001, oversample=oversample)
+        if state:
+            self.feeder.restore(state)
+        self.version = version  # a resumed run starts at its checkpoint's version
+        self.inference_version = version
+        self.decode_s, self.step_s, self.replicas, self.pooled = decode_s, step_s, replicas, pooled
+        self.order: list[int] = []  # positions in the order the collector saw them
+        self.wrong_sample: list[int] = []
+        self.taken: list[tuple[int, int]] = []  # (step, position) of every trained group
+        self.dropped: list[tuple[int, int, str]] = []
+        self.stop = threading.Event()
+
+    def _inference(self):
+        while not self.stop.is_set():
+            item = self.prompts.poll(0.01)
+            if item is None:
+                continue
+            v = self.inference_version
+            time.sleep(self.decode_s(item.position) if callable(self.decode_s) else self.decode_s)
+            r = group(item.position, v, self.rewards(item.position))
+            r.sample = (item.position, -1, item.sample)
+            self.rollouts.put(r, timeout=5)
+
+    def run(self, steps):
+        for _ in range(self.replicas):
+            threading.Thread(target=self._inference, daemon=True).start()
+        pool = [] if self.pooled else None
+        urgent = (lambda: self.feeder.urgent(self.version)) if self.pooled else None
+        self.feeder.set_synced(self.version)
+        self.feeder.start()
+        metrics = []
+        try:
+            for step in range(1, steps + 1):
+                def on(r, reason, step=step):
+                    self.feeder.consumed(r.sample[0], reason)
+                    self.order.append(r.sample[0])
+                    if r.sample[2].id != f"s{r.sample[0]}":
+                        self.wrong_sample.append(r.sample[0])
+                    (self.dropped.append((step, r.sample[0], reason)) if reason else None)
+                kept, m = collect_rollouts(self.rollouts.poll, self.P, self.version, self.max_lag, self.zv,
+                                           timeout_s=5, on_consumed=on, check=self.feeder.check, poll_s=0.05,
+                                           pool=pool, urgent=urgent)
+                self.taken += [(step, r.sample[0]) for r in kept]
+                metrics.append(m)
+                time.sleep(self.step_s)
+                self.version += 1  # the step
+                self.inference_version = self.version  # the sync
+                self.feeder.set_synced(self.version)
+        finally:
+            self.stop.set()
+            self.feeder.stop.set()
+        return metrics
+
+
+@pytest.mark.parametrize("max_lag", [1, 2])
+def test_fast_inference_drops_nothing_for_lag(max_lag):
+    # Inference is much faster than the trainer (the case where a step of slack made groups too stale).
+    sim = Sim(P=4, max_lag=max_lag, rewards=lambda p: [p % 2, 1 - p % 2], step_s=0.05)
+    metrics = sim.run(12)
+    assert sum(m["rollout/filtered_lag"] for m in metrics) == 0
+    assert max(m["rollout/lag_max"] for m in metrics) <= max_lag
+    assert max(m["rollout/lag_max"] for m in metrics) == max_lag  # inference does run max_lag steps ahead
+    positions = [p for _, p in sim.taken]
+    assert len(positions) == len(set(positions)) == 48
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_out_of_order_groups_are_trained_oldest_first(pooled):
+    """Four replicas, every third group slow: without the pool a step takes the next step's quick groups and its
+    own stragglers come back too stale; with it (oldest first, waiting for urgent positions) nothing is lost."""
+    sim = Sim(P=8, max_lag=1, rewards=lambda p: [p % 2, 1 - p % 2], replicas=4, step_s=0.01,
+              decode_s=lambda p: 0.06 if p % 3 == 0 else 0.002, pooled=pooled)
+    metrics = sim.run(10)
+    lag_drops = sum(m["rollout/filtered_lag"] for m in metrics)
+    if pooled:
+        assert lag_drops == 0
+        assert max(m["rollout/lag_max"] for m in metrics) <= 1
+    else:
+        assert lag_drops > 0  # the case the pool exists for (so the test above is not vacuous)
+    positions = [p for _, p in sim.taken]
+    assert len(positions) == len(set(positions)) == 80
+
+
+@pytest.mark.parametrize("max_lag", [0, 1])
+def test_zero_variance_filter_never_starves_the_trainer(max_lag):
+    # 3 of every 4 groups are all-correct: DAPO's filter drops them, the credit replaces them at once.
+    sim = Sim(P=4, max_lag=max_lag, rewards=lambda p: [1, 1] if p % 4 else [1, 0], drop_zero_variance=True)
+    metrics = sim.run(5)
+    assert sum(m["rollout/filtered_zero_variance"] for m in metrics) >= 3 * 20 - 4 * (max_lag + 1)
+    assert all(p % 4 == 0 for _, p in sim.taken) and len(sim.taken) == 20
+    if max_lag == 0:  # on-policy and deterministic: exactly the first 20 groups with variance, in order
+        assert [p for _, p in sim.taken] == [4 * i for i in range(20)]
+
+
+def test_oversampling_front_loads_the_expected_replacements():
+    f, q = make_feeder(P=4, max_lag=0, oversample=True)
+    f.set_synced(0)
+    f.start()
+    assert wait_until(lambda: q.qsize() == 4)  # no estimate yet: P
+    for p in range(3):
+        f.consumed(p, "zero_variance")  # the share estimate rises ...
+    f.consumed(3, None)
+    assert wait_until(lambda: f.state()["position"] >= 7)
+    for p in range(4, 7):
+        f.consumed(p, "zero_variance")
+    share = f.zero_variance_share
+    assert 0.2 < share < 0.4
+    expected = 4 + 6 + int(np.ceil(4 * share / (1 - share)))  # P + credited drops + oversampling
+    assert wait_until(lambda: f.state()["position"] == expected)
+    time.sleep(0.05)
+    assert f.state()["position"] == expected
+    for p in range(7, 10):
+        f.consumed(p, "lag")  # lag drops are credited but do not move the estimate
+    assert f.zero_variance_share == share
+    f.stop.set()
+
+
+@pytest.mark.parametrize("max_lag", [0, 1])
+def test_oversampled_dapo_steps_train_only_groups_with_variance(max_lag):
+    sim = Sim(P=4, max_lag=max_lag, rewards=lambda p: [1, 1] if p % 4 else [1, 0], drop_zero_variance=True,
+              oversample=True, decode_s=0.002)
+    metrics = sim.run(6)
+    assert all(p % 4 == 0 for _, p in sim.taken) and len(sim.taken) == 24
+    assert sim.feeder.zero_variance_share > 0.5
+    assert max(m["rollout/lag_max"] for m in metrics) <= max_lag
+
+
+def test_resume_regenerates_in_flight_prompts_and_skips_nothing():
+    rewards = lambda p: [p % 2, 1 - p % 2] if p % 5 else [0, 0]  # noqa: E731  (every 5th group dropped)
+    first = Sim(P=4, max_lag=2, rewards=rewards, drop_zero_variance=True, decode_s=0.001)
+    first.run(6)
+    state = first.feeder.state()
+    assert state["in_flight"], "max_lag=2 keeps prompts in flight at the checkpoint"
+    consumed = {p for _, p in first.taken} | {p for _, p, _ in first.dropped}
+    assert set(range(state["position"])) == consumed | set(state["in_flight"])  # every released position accounted
+    second = Sim(P=4, max_lag=2, rewards=rewards, drop_zero_variance=True, state=state, version=first.version)
+    second.run(6)
+    # The in-flight prompts come first, each with its own sample (and so its own per-position seeds).
+    assert second.order[:len(state["in_flight"])] == state["in_flight"]
+    assert not first.wrong_sample and not second.wrong_sample
+    trained = [p for _, p in first.taken] + [p for _, p in second.taken]
+    dropped = [p for _, p, _ in first.dropped] + [p for _, p, _ in second.dropped]
+    assert len(trained) == len(set(trained)) == 48  # nothing trained twice
+    assert not set(trained) & set(dropped)
+    top = max(trained)
+    assert set(range(top + 1)) <= set(trained) | set(dropped) | second.feeder.in_flight  # nothing skipped
+    assert all(p % 5 == 0 for p in dropped)
+
+
+def test_restore_rejects_inconsistent_meta():
+    f, _ = make_feeder()
+    with pytest.raises(ValueError, match="in-flight positions .* must be below position 3"):
+        f.restore({"position": 3, "dropped": 0, "in_flight": [1, 5]})
+    f.restore({"position": 7, "dropped": 2})  # a checkpoint from before in-flight tracking
+    assert f.state() == {"position": 7, "dropped": 2, "in_flight": []}
+
+
+# ---- evals ------------------------------------------------------------------------------------------------------
+
+def test_eval_pending_at_the_final_step_is_kept(tmp_path):
+    prompts, results = FakeQueue(100), FakeQueue(100)
+    ev = Evals(sample_stream, num_prompts=3, group_size=2, run_dir=str(tmp_path), put=prompts.put,
+               poll=results.poll, qsize=results.qsize, timeout_s=5)
+    stop = threading.Event()
+
+    def serve():  # a fake inference host: version = round, reward 1 for even positions
+        while not stop.is_set():
+            item = prompts.poll(0.01)
+            if item is not None:
+                r = float(item.position % 2 == 0)
+                results.put(group(item.position, item.eval_round, [r, r], item.eval_round))
+
+    tw = TrainerWorker.__new__(TrainerWorker)
+    tw.evals = ev
+    ev.launch(0, 0)
+    t = threading.Thread(target=serve, daemon=True)
+    assert tw._evals_at(1, 4, every=2) == {}  # round 0 not back yet (nothing serves): nothing to record
+    t.start()
+    assert wait_until(ev.ready)
+    row2 = tw._evals_at(2, 4, every=2)  # collects round 0, launches round 2
+    assert row2["eval/at_step"] == 0 and ev.pending[0] == 2
+    row4 = tw._evals_at(4, 4, every=2)  # final step: round 2 is still pending -> waited for and recorded
+    stop.set()
+    assert row4["eval/at_step"] == 4 and row4["eval/prompts"] == 3
+    rows = [__import__("json").loads(x) for x in open(tmp_path / "evals.jsonl")]
+    assert [r["round"] for r in rows] == [0, 2, 4]
+    assert rows[1]["eval/reward_mean"] == pytest.approx(2 / 3)  # positions 1e9, 1e9+1, 1e9+2: two even
+    assert ev.pending is None
+
+
+# ---- the inference host's sync gate -----------------------------------------------------------------------------
+
+class Leaf:
+    """A weight the monitor can free, as it frees jax arrays before new ones land."""
+
+    def __init__(self, v):
+        self.v, self.deleted = v, False
+
+    def delete(self):
+        self.deleted = True
+
+    def __eq__(self, other):
+        return isinstance(other, Leaf) and other.v == self.v
+
+
+class FakeEngine:
+    """Decodes in chunks (each `chunk_s` long) and calls the hook between them, like Engine._call."""
+
+    def __init__(self, name, chunk_s):
+        self.name, self.chunk_s = name, chunk_s
+        self.version, self.params = 0, {"w": 0}
+        self.model = SimpleNamespace(param_shardings=lambda mesh: None)
+        self.mesh = None
+        self.chunks_at: list[tuple[float, int]] = []
+
+    def set_params(self, params, version):
+        self.params, self.version = params, version
+
+
+def test_sync_gate_parks_every_replica_within_one_chunk(monkeypatch):
+    import asyncrl.orchestration.inference_worker as iw
+
+    monkeypatch.setattr(iw, "place_params", lambda p, sh: p)
+    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=5),
+                          eval=SimpleNamespace(num_prompts=4))
+    qs = {"weight_sync": FakeQueue(2)}
+    w = InferenceWorker(cfg, 1, "/tmp", qs)
+    engines = [FakeEngine("r0", 0.02), FakeEngine("r1", 0.05)]
+    w.replicas = SimpleNamespace(engines=engines)
+    transfers = []
+
+    class Transfer:
+        def transfer(self, params, shapes):
+            transfers.append(time.perf_counter())
+            # while the new weights land, no replica may be decoding
+            assert all(e.busy is False for e in engines)
+            return {"w": Leaf(len(transfers))}, {}
+
+    w.transfer, w.shapes = Transfer(), None
+    first = {"w": Leaf(0)}
+    w.gate.params, w.gate.version = first, 0
+
+    def replica(e):
+        while not w.stop.is_set():
+            w._maybe_update(e)
+            e.busy = True
+            time.sleep(e.chunk_s)  # one decode chunk
+            e.busy = False
+            e.chunks_at.append((time.perf_counter(), e.version))
+
+    for e in engines:
+        e.busy = False
+    threads = [threading.Thread(target=replica, args=(e,), daemon=True) for e in engines]
+    threads.append(threading.Thread(target=w._monitor, daemon=True))
+    for t in threads:
+        t.start()
+    for v in (1, 2, 3):
+        qs["weight_sync"].put({"version": v})
+        assert wait_until(lambda v=v: all(e.version == v for e in engines)), [e.version for e in engines]
+    w.stop.set()
+    assert not w.errors, w.errors
+    assert [e.params for e in engines] == [{"w": Leaf(3)}] * 2
+    assert first["w"].deleted  # old weights freed before the new ones landed
+    # Parking took at most one chunk of the slowest replica (plus scheduling slack), not a whole generation.
+    assert w.sync_stats["park_s"] < 0.05 + 0.2
+
+
+def test_sync_gate_names_the_park_timeout():
+    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=0.2),
+                          eval=SimpleNamespace(num_prompts=4))
+    qs = {"weight_sync": FakeQueue(2)}
+    w = InferenceWorker(cfg, 3, "/tmp", qs)
+    w.replicas = SimpleNamespace(engines=[FakeEngine("wedged", 0)])  # never calls the hook
+    qs["weight_sync"].put({"version": 1})
+    w._monitor()
+    assert "inference3 monitor waited 0.2s (async.park_timeout_s) for 1 replicas to park for weight sync v1" \
+        in str(w.errors[0])
+
+
+def test_scorer_gives_up_on_a_full_rollout_queue_with_a_message():
+    from concurrent.futures import Future
+
+    from asyncrl.orchestration.queues import QueueTimeout
+
+    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=1.5, park_timeout_s=5),
+                          eval=SimpleNamespace(num_prompts=4), task=SimpleNamespace(verifier=SimpleNamespace(timeout_s=1)))
+    full = FakeQueue(1)
+    full.put("someone else's group")
+    w = InferenceWorker(cfg, 2, "/tmp", {"rollout": full})
+    r = group(0, 0, [1, 0])
+    futures = []
+    for _ in r.completions:
+        f = Future()
+        f.set_result(SimpleNamespace(reward=1.0, reason="correct"))
+        futures.append(f)
+    w.lanes[False].put((r, futures))
+    t0 = time.time()
+    w._push(False)  # returns once it has recorded its error
+    assert 1.5 <= time.time() - t0 < 10
+    assert isinstance(w.errors[0], QueueTimeout)
+    assert "inference2 scorer waited 2s (async.queue_timeout_s) to put a group on the full 'rollout' queue" \
+        in str(w.errors[0])
