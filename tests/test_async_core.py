@@ -478,3 +478,26 @@ def test_scorer_gives_up_on_a_full_rollout_queue_with_a_message():
     assert isinstance(w.errors[0], QueueTimeout)
     assert "inference2 scorer waited 2s (async.queue_timeout_s) to put a group on the full 'rollout' queue" \
         in str(w.errors[0])
+
+
+def test_zero_variance_budget_fills_the_step_instead_of_sampling_forever():
+    stream = [group(p, 0, [1, 1]) for p in range(7)] + [group(7, 0, [1, 0])] + [group(p, 0, [0, 0]) for p in range(8, 12)]
+    q = FakeQueue()
+    for r in stream:
+        q.put(r)
+    seen = []
+    kept, m = collect_rollouts(q.poll, 4, 0, 0, drop_zero_variance=True, timeout_s=1, poll_s=0.05,
+                               on_consumed=lambda r, reason: seen.append((r.sample[0], reason)),
+                               zero_variance_budget=5)
+    # 5 dropped, then zero-variance groups fill the batch next to the one group with variance.
+    assert m["rollout/filtered_zero_variance"] == 5 and m["rollout/zero_variance_fillers"] == 3
+    assert [r.sample[0] for r in kept] == [5, 6, 7, 8]
+    assert seen == [(p, "zero_variance") for p in range(5)] + [(p, None) for p in (5, 6, 7, 8)]
+    from asyncrl.train.loss_config import LossConfig
+    from asyncrl.train.losses import keep_sequences
+    import jax.numpy as jnp
+
+    rewards = jnp.asarray([c.reward for r in kept for c in r.completions])
+    ids = jnp.asarray([g for g, r in enumerate(kept) for _ in r.completions])
+    keep = keep_sequences(rewards, ids, LossConfig(name="dapo", filter_zero_variance=True))
+    assert keep.tolist() == [False] * 4 + [True] * 2 + [False] * 2  # the loss gives the fillers no weight

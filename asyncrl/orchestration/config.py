@@ -19,6 +19,11 @@ class AsyncConfig:
     """Longest any blocking queue get/put waits before failing with a message naming who waited for what."""
     rollout_queue_size: int = 0
     """Bound of the rollout queue in groups; 0 means 2 x prompts per step."""
+    zero_variance_budget: float = 8.0
+    """With `loss.filter_zero_variance` (DAPO's dynamic sampling): at most this many times a step's groups are
+    dropped for zero variance per step. Past it, zero-variance groups fill the batch with zero loss weight (the step
+    trains on fewer groups; `rollout/zero_variance_fillers` counts them), so a run whose prompts are mostly solved
+    keeps moving instead of sampling hundreds of groups per step."""
     park_timeout_s: float = 300.0
     """Longest an inference host waits for its replicas to park for a weight sync (each parks within one decode
     chunk, `inference.decode_chunk_steps`, so this only trips on a wedged replica)."""
@@ -29,6 +34,7 @@ class AsyncConfig:
         check("async.queue_timeout_s", self.queue_timeout_s, self.queue_timeout_s > 0, "> 0")
         check("async.rollout_queue_size", self.rollout_queue_size, self.rollout_queue_size >= 0, ">= 0")
         check("async.park_timeout_s", self.park_timeout_s, self.park_timeout_s > 0, "> 0")
+        check("async.zero_variance_budget", self.zero_variance_budget, self.zero_variance_budget >= 0, ">= 0")
 
 
 @dataclass(frozen=True)

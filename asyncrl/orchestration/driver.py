@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -99,12 +101,21 @@ def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any]) -> tuple[list[A
     return actors, None
 
 
-def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any) -> None:
+def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any, hosts: list[dict[str, Any]] | None = None) -> None:
     for a in actors:
         try:
             ray.kill(a, no_restart=True)
         except Exception:
             pass
+    # Simulated hosts run on this machine: make sure none survives its actor (a process that is still exiting can
+    # hang in a collective with a dead peer). Remote hosts are their raylets' business.
+    here = socket.gethostname()
+    for h in hosts or []:
+        if h.get("host") == here and h.get("pid") and h["pid"] != os.getpid():
+            try:
+                os.kill(h["pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
     for q in queues.values():
         try:
             ray.kill(q.q.actor, no_restart=True)
@@ -124,6 +135,7 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
     queues = make_queues(cfg.prompts_per_step, n_hosts - tw, cfg.async_.rollout_queue_size, cfg.async_.queue_timeout_s,
                          eval_prompts=cfg.eval.num_prompts)
     actors, pg = _make_actors(cfg, run_dir, queues)
+    info: list[dict[str, Any]] = []
     try:
         timeout = cfg.run.startup_timeout_s
         info = ray.get([a.ping.remote() for a in actors], timeout=timeout)
@@ -164,7 +176,7 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
                 if rank == 0:  # its rows were drained just above, after it had returned
                     return res.info
     finally:
-        _teardown(actors, queues, pg)
+        _teardown(actors, queues, pg, info)
 
 
 def _dump_stacks(actors: list[Any], info: list[dict[str, Any]], run_dir: str) -> None:

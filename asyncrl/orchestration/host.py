@@ -6,9 +6,11 @@ Ranks below `async.train_workers` train; the rest run inference. Results cross t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -71,6 +73,10 @@ class HostActor:
         t0 = time.time()
         jax.distributed.initialize(coordinator, num_processes=self.n_hosts, process_id=self.rank,
                                    initialization_timeout=int(timeout_s))
+        # JAX's own exit hook waits at a shutdown barrier for every process of the job; once a peer host is dead
+        # (the very case a restart follows) it waits forever and the process outlives the driver. This hook is
+        # registered later, so it runs first: flush, then leave without the barrier.
+        atexit.register(_exit_now)
         return {"rank": self.rank, "process_index": jax.process_index(), "local_devices": jax.local_device_count(),
                 "devices": jax.device_count(), "join_s": time.time() - t0}
 
@@ -92,6 +98,16 @@ class HostActor:
         except BaseException as e:  # typed result instead of a bare exception crossing the boundary
             log.exception("host %d (%s) failed", self.rank, self.role)
             return HostResult(self.rank, self.role, False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+def _exit_now() -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+    os._exit(0)
 
 
 def _node_ip() -> str:

@@ -204,6 +204,7 @@ class TrainerWorker:
                     lambda t: self.q["rollout"].poll(t), self.P // self.tw, tr.version, cfg.async_.max_lag,
                     cfg.loss.filter_zero_variance, cfg.async_.queue_timeout_s, who=f"trainer{self.rank}",
                     on_consumed=self._on_consumed(step, drops), check=self._check, pool=pool, urgent=urgent,
+                    zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),
                 )
                 rollouts.sort(key=lambda r: r.sample[0])  # by data position: same batch order whatever arrived first
                 batch = build_batch(rollouts, tr.version, cfg.loss, cfg.train.pad_to_multiple)

@@ -54,6 +54,7 @@ def collect_rollouts(
     poll_s: float = 1.0,
     pool: list[Rollout] | None = None,
     urgent: Callable[[], set[int]] | None = None,
+    zero_variance_budget: int | None = None,
 ) -> tuple[list[Rollout], HostMetrics]:
     """Block until `n_groups` groups pass the filters; returns them (oldest first when pooling) and the metrics.
 
@@ -62,7 +63,10 @@ def collect_rollouts(
     groups gets replacements. `check()` runs between polls of at most `poll_s` seconds and may raise (a dead
     feeder thread's error then surfaces here instead of a generic timeout). The timeout counts from the last
     group received. `pool` is read and left holding the groups carried to the next step; `urgent()` returns the
-    data positions (`rollout.sample[0]`) to wait for before taking newer groups."""
+    data positions (`rollout.sample[0]`) to wait for before taking newer groups. After `zero_variance_budget`
+    zero-variance drops in one call, zero-variance groups are kept as fillers (`rollout/zero_variance_fillers`):
+    the loss gives them no weight when it filters them (`loss.filter_zero_variance`), so the step trains on the
+    groups with variance it has instead of sampling without end once most prompts are solved."""
     filtered = {"lag": 0, "zero_variance": 0}
     held: list[Rollout] = []
 
@@ -71,7 +75,8 @@ def collect_rollouts(
         if version - rollout.oldest_version > max_lag:
             reason = "lag"
         elif drop_zero_variance and is_zero_variance(rollout):
-            reason = "zero_variance"
+            if zero_variance_budget is None or filtered["zero_variance"] < zero_variance_budget:
+                reason = "zero_variance"  # else: a filler (kept; the loss weighs it 0)
         if reason is None:
             held.append(rollout)
             return
@@ -136,5 +141,6 @@ def collect_rollouts(
         # Completions that a weight update reached mid-generation (their tokens carry two or more versions).
         "rollout/in_flight_updated": float(sum(bool(c.version_boundaries) for r in kept for c in r.completions)),
         "rollout/carried": float(len(pool or [])),
+        "rollout/zero_variance_fillers": float(sum(drop_zero_variance and is_zero_variance(r) for r in kept)),
     }
     return kept, metrics
