@@ -19,6 +19,11 @@ class AsyncConfig:
     """Longest any blocking queue get/put waits before failing with a message naming who waited for what."""
     rollout_queue_size: int = 0
     """Bound of the rollout queue in groups; 0 means 2 x prompts per step."""
+    straggler_wait_s: float = 0.5
+    """Once a step holds its groups, it may wait this much longer for in-flight groups that would be too stale
+    for the next step (it then trains the oldest groups it holds and carries the rest), instead of leaving them to
+    be dropped for lag. 0 takes groups as they arrive; a large value drops nothing for lag but waits for every
+    straggler. Single trainer host only (the feeder, on rank 0, knows what is in flight)."""
     zero_variance_budget: float = 8.0
     """With `loss.filter_zero_variance` (DAPO's dynamic sampling): at most this many times a step's groups are
     dropped for zero variance per step. Past it, zero-variance groups fill the batch with zero loss weight (the step
@@ -34,6 +39,7 @@ class AsyncConfig:
         check("async.queue_timeout_s", self.queue_timeout_s, self.queue_timeout_s > 0, "> 0")
         check("async.rollout_queue_size", self.rollout_queue_size, self.rollout_queue_size >= 0, ">= 0")
         check("async.park_timeout_s", self.park_timeout_s, self.park_timeout_s > 0, "> 0")
+        check("async.straggler_wait_s", self.straggler_wait_s, self.straggler_wait_s >= 0, ">= 0")
         check("async.zero_variance_budget", self.zero_variance_budget, self.zero_variance_budget >= 0, ">= 0")
 
 

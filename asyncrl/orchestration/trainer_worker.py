@@ -193,7 +193,9 @@ class TrainerWorker:
         pool: list = []  # groups received but not trained yet (collect.py: oldest first)
         # Waiting for the oldest in-flight groups needs to know them all: the feeder does, on a single trainer
         # host. With several, each host's share arrives on a shared queue, so hosts take what reaches them.
-        urgent = (lambda: self.feeder.urgent(tr.version)) if self.feeder is not None and self.tw == 1 else None
+        urgent = None
+        if cfg.async_.straggler_wait_s > 0 and self.feeder is not None and self.tw == 1:
+            urgent = lambda: self.feeder.urgent(tr.version)  # noqa: E731
         try:
             while tr.step_count < total:
                 step = tr.step_count + 1
@@ -205,6 +207,7 @@ class TrainerWorker:
                     cfg.loss.filter_zero_variance, cfg.async_.queue_timeout_s, who=f"trainer{self.rank}",
                     on_consumed=self._on_consumed(step, drops), check=self._check, pool=pool, urgent=urgent,
                     zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),
+                    straggler_wait_s=cfg.async_.straggler_wait_s,
                 )
                 rollouts.sort(key=lambda r: r.sample[0])  # by data position: same batch order whatever arrived first
                 batch = build_batch(rollouts, tr.version, cfg.loss, cfg.train.pad_to_multiple)

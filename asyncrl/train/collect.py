@@ -8,8 +8,9 @@ Oldest first. Groups finish out of order (continuous batching, several replicas)
 arrives first can take the next step's quick groups and leave its own stragglers to come back one version too
 stale and be dropped, their decode wasted. With a `pool` (groups received but not yet trained, carried from step
 to step) and `urgent()` (positions still in flight that would be too stale for the next step: the prompt
-feeder knows them), a step waits for its urgent groups, trains the oldest groups it holds, and carries the
-rest. Without them it takes arrivals in order, as the blog does.
+feeder knows them), a step waits for its urgent groups (up to `async.straggler_wait_s` once it holds enough),
+trains the oldest groups it holds, and carries the rest. Without them it takes arrivals in order, as the blog
+does.
 
 `get_rollout(timeout)` is any callable that returns a Rollout, or None / raises `queue.Empty` / `TimeoutError`
 when nothing came: a `queue.Queue`, a Ray queue or a test list all work.
@@ -55,6 +56,7 @@ def collect_rollouts(
     pool: list[Rollout] | None = None,
     urgent: Callable[[], set[int]] | None = None,
     zero_variance_budget: int | None = None,
+    straggler_wait_s: float = float("inf"),
 ) -> tuple[list[Rollout], HostMetrics]:
     """Block until `n_groups` groups pass the filters; returns them (oldest first when pooling) and the metrics.
 
@@ -63,7 +65,8 @@ def collect_rollouts(
     groups gets replacements. `check()` runs between polls of at most `poll_s` seconds and may raise (a dead
     feeder thread's error then surfaces here instead of a generic timeout). The timeout counts from the last
     group received. `pool` is read and left holding the groups carried to the next step; `urgent()` returns the
-    data positions (`rollout.sample[0]`) to wait for before taking newer groups. After `zero_variance_budget`
+    data positions (`rollout.sample[0]`) to wait for before taking newer groups, for at most `straggler_wait_s`
+    once `n_groups` are held. After `zero_variance_budget`
     zero-variance drops in one call, zero-variance groups are kept as fillers (`rollout/zero_variance_fillers`):
     the loss gives them no weight when it filters them (`loss.filter_zero_variance`), so the step trains on the
     groups with variance it has instead of sampling without end once most prompts are solved."""
@@ -87,13 +90,18 @@ def collect_rollouts(
             log.warning("%s dropped %d groups so far for version %d (%s); if this is frequent, raise async.max_lag "
                         "or disable zero-variance filtering", who, sum(filtered.values()), version, filtered)
 
+    full_since: list[float] = []  # when n_groups were first held
+
     def enough() -> bool:
         if len(held) < n_groups:
             return False
         if urgent is None:
             return True
+        if not full_since:
+            full_since.append(time.monotonic())
         waiting = urgent() - {r.sample[0] for r in held}
-        return not waiting or sum(version - r.oldest_version == max_lag for r in held) >= n_groups
+        return (not waiting or sum(version - r.oldest_version == max_lag for r in held) >= n_groups
+                or time.monotonic() - full_since[0] >= straggler_wait_s)
 
     carried = list(pool or [])
     if pool is not None:
@@ -106,7 +114,8 @@ def collect_rollouts(
         if check is not None:
             check()
         try:
-            rollout = get_rollout(max(0.0, min(poll_s, deadline - time.monotonic())))
+            limit = deadline if not full_since else min(deadline, full_since[0] + straggler_wait_s)
+            rollout = get_rollout(max(0.0, min(poll_s, limit - time.monotonic())))
         except (queue.Empty, TimeoutError):
             rollout = None
         if rollout is None:
