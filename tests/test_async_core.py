@@ -501,3 +501,16 @@ def test_zero_variance_budget_fills_the_step_instead_of_sampling_forever():
     ids = jnp.asarray([g for g, r in enumerate(kept) for _ in r.completions])
     keep = keep_sequences(rewards, ids, LossConfig(name="dapo", filter_zero_variance=True))
     assert keep.tolist() == [False] * 4 + [True] * 2 + [False] * 2  # the loss gives the fillers no weight
+
+
+def test_straggler_wait_is_bounded():
+    q = FakeQueue()
+    for p in range(4):
+        q.put(group(p, 1, [1, 0]))  # lag 0: fresher groups could still come, so the step may wait
+    t0 = time.time()
+    kept, m = collect_rollouts(q.poll, 3, 1, 1, timeout_s=30, poll_s=0.05, pool=(pool := []),
+                               urgent=lambda: {99}, straggler_wait_s=0.3)  # 99 never comes
+    assert 0.25 < time.time() - t0 < 5
+    assert len(kept) == 3 and len(pool) == 1  # the 4th group is carried to the next step
+    kept, m = collect_rollouts(q.poll, 1, 1, 1, timeout_s=30, poll_s=0.05, pool=pool, urgent=lambda: set())
+    assert [r.sample[0] for r in kept] == [3] and not pool
