@@ -241,7 +241,16 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
                                                         (minis, split_micro_batches(keep, k), frozen))
         metrics = finalize_metrics(_combine_updates(stacked))
     metrics["lr"] = schedule(step)
-    return params, opt_state, metrics
+    return params, opt_state, metrics | _sample_counts(batch, loss_cfg)
+
+
+def _sample_counts(batch: RLBatch, loss_cfg: LossConfig) -> Metrics:
+    """How many samples of the batch were cut at the length limit, and how many DAPO's overlong penalty
+    (`overlong_penalized`) and overlong filtering (`overlong_filtered`) touched."""
+    count = lambda x: jnp.sum(x).astype(jnp.float32)  # noqa: E731
+    truncated = count(batch.truncated)
+    return {"samples_truncated": truncated, "overlong_penalized": count(batch.overlong_penalty < 0),
+            "overlong_filtered": truncated if loss_cfg.overlong_filter else jnp.zeros((), jnp.float32)}
 
 
 def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
