@@ -126,8 +126,8 @@ class TrainConfig:
         check("train.grad_accum_steps", self.grad_accum_steps,
               self.grad_accum_steps >= 1 and self.train_batch_size % self.grad_accum_steps == 0,
               f">= 1 and divide train.train_batch_size={self.train_batch_size}")
-        check("train.updates_per_step", self.updates_per_step,
-              self.updates_per_step >= 1 and self.train_batch_size % (self.updates_per_step * self.grad_accum_steps) == 0,
+        k = self.updates_per_step
+        check("train.updates_per_step", k, k >= 1 and self.train_batch_size % (k * self.grad_accum_steps) == 0,
               f">= 1 and, times train.grad_accum_steps={self.grad_accum_steps}, divide "
               f"train.train_batch_size={self.train_batch_size}")
         check("train.lr", self.lr, self.lr > 0, "> 0")
