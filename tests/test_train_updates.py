@@ -227,8 +227,9 @@ def test_kl_gradient_matches_finite_differences():
     f = jax.jit(lambda eps: loss(jax.tree.map(lambda p, v: p + eps * v, params, direction), batch, frozen)[0])
     value, grads = jax.jit(jax.value_and_grad(lambda p: loss(p, batch, frozen)[0]))(params)
     slope = sum(jnp.vdot(g, v) for g, v in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
-    h = 1e-2
+    h = 3e-3
     fd = (float(f(jnp.float32(h))) - float(f(jnp.float32(-h)))) / (2 * h)
     assert float(value) > 1e-3
-    # fp32 central difference: O(h^2) truncation plus ~1e-7 * |f| / h rounding, well under 1% here.
-    np.testing.assert_allclose(float(slope), fd, rtol=1e-2)
+    # fp32 central difference: O(h^2) truncation (measured 5e-4 relative at this h, 6e-3 at h=1e-2) plus
+    # ~1e-7 * |f| / h of rounding (~1e-4 relative).
+    np.testing.assert_allclose(float(slope), fd, rtol=2e-3)
