@@ -98,6 +98,11 @@ def test_missing_shard_named(good_folder, tmp_path):
         ("async.train_workers=5", r"async\.train_workers=5"),  # role split impossible
         ("sharding.mesh.fsdp=0", r"sharding\.mesh\.fsdp=0"),
         ("train.grad_accum_steps=7", r"train\.grad_accum_steps=7"),
+        ("train.updates_per_step=3", r"train\.updates_per_step=3"),
+        # CISPO on top of the grpo preset would keep its epsilon_high=0.2: a cap of 0.2 on every IS weight.
+        ("loss.name=cispo", r"loss\.epsilon_high=0\.2 is invalid for loss\.name=cispo.*learning-rate cut"),
+        ("loss.is_mode=truncate", r"loss\.tis_cap=None.*is_mode=truncate"),
+        ("loss.overlong_buffer=31", r"loss\.overlong_buffer=31.*< loss\.max_tokens=31"),  # the whole budget
     ],
 )
 def test_malformed_config_override(override, pattern):
@@ -111,6 +116,16 @@ def test_overrides_compose():
     assert cfg.inference.temperature == 0.7
     assert cfg.async_.max_lag == 3
     assert cfg.model.preset == "qwen3-1.7b"
+
+
+def test_generation_budget_fills_the_loss():
+    """Dr.GRPO's constant normaliser and the overlong buffer read the run's generation budget, never the batch's
+    padded length: max_new_tokens plus its EOS slot, else max_seq_len less a one-token prompt."""
+    assert load_config("default", ["loss=dr_grpo"]).loss.max_tokens == 31  # default max_seq_len: 32
+    assert load_config("default", ["loss=dr_grpo", "inference.max_new_tokens=20"]).loss.max_tokens == 21
+    assert load_config("default", ["loss=dr_grpo", "loss.max_tokens=4096"]).loss.max_tokens == 4096
+    cfg = load_config("default", ["loss=dapo", "loss.overlong_buffer=8", "loss.overlong_filter=true"])
+    assert (cfg.loss.max_tokens, cfg.loss.overlong_buffer, cfg.loss.overlong_filter) == (31, 8, True)
 
 
 def test_every_yaml_preset_loads():

@@ -61,12 +61,24 @@ def _rollouts(prompts: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray, ver
     return out
 
 
-@pytest.mark.parametrize("loss", ["grpo", pytest.param("cispo", marks=pytest.mark.slow)])
-def test_rl_learns_synthetic_reward(loss):
+# name -> (loss config, updates per step). Epsilons and caps as in the presets.
+CASES = {
+    "grpo": (LossConfig(name="grpo"), 1),
+    "cispo": (LossConfig(name="cispo", epsilon_high=1.0), 1),
+    "gspo": (LossConfig(name="gspo", epsilon_low=3e-4, epsilon_high=4e-4), 1),
+    # Two updates per batch: the second clips against the proximal policy; token TIS corrects sampler -> proximal.
+    "grpo_2_updates_tis": (LossConfig(name="grpo", is_mode="truncate", tis_cap=2.0), 2),
+}
+
+
+@pytest.mark.parametrize("case", ["grpo", pytest.param("cispo", marks=pytest.mark.slow), "gspo",
+                                  "grpo_2_updates_tis"])
+def test_rl_learns_synthetic_reward(case):
     cfg = preset("tiny")
     model = Model(cfg)
-    train_cfg = TrainConfig(train_batch_size=PROMPTS * GROUP, lr=3e-3, total_steps=300, pad_to_multiple=8)
-    loss_cfg = LossConfig(name=loss)
+    loss_cfg, updates = CASES[case]
+    train_cfg = TrainConfig(train_batch_size=PROMPTS * GROUP, lr=3e-3, total_steps=300, pad_to_multiple=8,
+                            updates_per_step=updates)
     trainer = Trainer(model, train_cfg, loss_cfg, ShardingConfig(mesh=MeshConfig(dp=1, fsdp=1)),
                       devices=jax.devices()[:1])
     trainer.load(random_params(cfg))
@@ -83,9 +95,11 @@ def test_rl_learns_synthetic_reward(loss):
         groups, host = collect_rollouts(lambda timeout: next(stream), PROMPTS, trainer.version, max_lag=0)
         metrics = trainer.step(build_batch(groups, trainer.version, loss_cfg, train_cfg.pad_to_multiple), host)
         if step == 0:
-            # On-policy: trainer and sampler logprobs agree, so every importance ratio is 1.
-            assert metrics["train/is_ratio_min"] == pytest.approx(1.0, abs=1e-4)
-            assert metrics["train/is_ratio_max"] == pytest.approx(1.0, abs=1e-4)
+            # On-policy: trainer and sampler logprobs agree, so every importance ratio is 1 (with several updates,
+            # the ratio to the proximal policy moves after the first; the proximal/sampler weight is then 1).
+            ratio = "train/is_weight" if updates > 1 else "train/is_ratio"
+            assert metrics[ratio + "_min"] == pytest.approx(1.0, abs=1e-4)
+            assert metrics[ratio + "_max"] == pytest.approx(1.0, abs=1e-4)
             assert metrics["rollout/lag_max"] == 0
         rewards.append(metrics["rollout/reward_mean"])
         if len(rewards) >= 5 and np.mean(rewards[-5:]) > 0.9:

@@ -58,8 +58,11 @@ def test_rejects_bad_setups():
     with pytest.raises(ValueError, match="data-parallel devices"):
         Trainer(Model(preset("tiny")), TrainConfig(train_batch_size=12, grad_accum_steps=3), LossConfig(),
                 ShardingConfig(mesh=MeshConfig(dp=2, fsdp=4)))
-    with pytest.raises(ValueError, match="kl_coef"):
-        Trainer(Model(preset("tiny")), TrainConfig(train_batch_size=8), LossConfig(kl_coef=0.1),
+    with pytest.raises(ValueError, match=r"loss\.max_tokens is unset"):  # dr_grpo without a generation budget
+        Trainer(Model(preset("tiny")), TrainConfig(train_batch_size=8), LossConfig(name="dr_grpo"),
+                ShardingConfig(mesh=MeshConfig(dp=2, fsdp=4)))
+    with pytest.raises(ValueError, match="updates_per_step"):
+        Trainer(Model(preset("tiny")), TrainConfig(train_batch_size=16, updates_per_step=4), LossConfig(),
                 ShardingConfig(mesh=MeshConfig(dp=2, fsdp=4)))
 
 

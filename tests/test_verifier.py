@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncrl.tasks.extract import AnswerLimits, extract_answer, last_boxed, reject_reason, strip_thinking
+from asyncrl.tasks.extract import AnswerLimits, extract_answer, final_boxed, last_boxed, reject_reason, strip_thinking
 from asyncrl.tasks.grading import exact_equal, grade, math_equal
 
 
@@ -147,3 +147,51 @@ def test_grade_reasons():
 
 def test_gold_in_dollars_is_compared_as_math():
     assert grade(r"\boxed{244/607}", "$244/607$").reason == "correct"
+
+
+# ---- several boxes: one answer, graded as a set -------------------------------------------------------------
+# The rule, from math-verify's documentation: latex2sympy2_extended's `extract_boxed_content` extracts several
+# boxes together when the text between two is under 10 characters, or under 70 with a separator (and, or, a comma,
+# a semicolon) and different contents; math_verify's `extract_latex` then wraps several expressions in one
+# FiniteSet ("to handle solution is: 1,2 and 3"). Each case states the expected grade, and math_verify's own
+# verdict on the raw completion (the gold as a box's content, as our grader reads gold) must agree with it.
+LONG = " and the rest of a long derivation that is certainly longer than seventy characters in total, "
+MULTI_BOX = [
+    (r"The roots are $\boxed{2}$ and $\boxed{3}$.", "2, 3", True),
+    (r"The roots are $\boxed{2}$ and $\boxed{3}$.", "3, 2", True),  # a set: order is free
+    (r"The roots are $\boxed{2}$ and $\boxed{3}$.", "2", False),  # one root is not the answer
+    (r"The roots are $\boxed{2}$ and $\boxed{3}$.", "3", False),  # not even the last one
+    (r"$x = \boxed{-1}$ or $x = \boxed{4}$", "-1, 4", True),
+    (r"\boxed{1}, \boxed{2}, \boxed{3}", r"\{1, 2, 3\}", True),
+    (r"\boxed{\frac{1}{2}}; \boxed{0.75}", r"\frac{3}{4}, 0.5", True),  # each element compared as math
+    (r"\boxed{1} \boxed{2}", "1, 2", True),  # near: no separator needed
+    (r"We get \boxed{5}, which then gives (after a little more algebra) \boxed{7}", "5, 7", True),
+    (r"We get \boxed{5} which then gives (after a little more algebra) \boxed{7}", "7", True),  # no separator
+    (r"A first guess \boxed{5}" + LONG + r"so finally \boxed{7}", "7", True),  # far apart: only the last
+    (r"A first guess \boxed{5}" + LONG + r"so finally \boxed{7}", "5, 7", False),
+    (r"\boxed{2}, \boxed{2}", "2", True),  # a repeated box is one answer
+]
+
+
+@pytest.mark.parametrize("completion,gold,correct", MULTI_BOX)
+def test_several_boxes_are_graded_as_a_set_as_math_verify_does(completion, gold, correct):
+    from math_verify import parse, verify
+
+    assert grade(completion, gold).reward == float(correct)
+    assert bool(verify(parse("\\boxed{" + gold + "}"), parse(completion))) == correct
+
+
+def test_single_box_extraction_is_unchanged():
+    for text in (r"so \boxed{42}.", r"\boxed{\{1, 2\}}", r"\boxed{\boxed{5}}", r"\boxed{3} and then \boxed{4",
+                 r"first \boxed{1}" + LONG + r"then \boxed{\frac{\sqrt{2}}{2}} done"):
+        assert extract_answer(text) == last_boxed(text)
+    assert final_boxed(r"x \boxed{1} and \boxed{2}") == ["1", "2"]
+
+
+def test_box_grouping_is_linear_in_the_text():
+    import time
+
+    text = (r"\boxed{1}, " * 20_000) + "end"
+    t0 = time.perf_counter()
+    assert len(final_boxed(text)) == 1  # equal contents collapse into one
+    assert time.perf_counter() - t0 < 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -52,6 +53,11 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
 
     def __post_init__(self) -> None:
+        if self.loss.max_tokens is None:
+            # The generation budget is the inference section's; the loss (Dr.GRPO's constant normaliser, DAPO's
+            # overlong buffer) reads it from its own section, filled here so that the resolved config shows it.
+            object.__setattr__(self, "loss", dataclasses.replace(self.loss,
+                                                                 max_tokens=self.inference.generation_budget))
         g = self.inference.group_size
         check("train.train_batch_size", self.train.train_batch_size, self.train.train_batch_size % g == 0,
               f"a multiple of inference.group_size={g}")

@@ -61,3 +61,11 @@ class InferenceConfig:
         check_choice("inference.replica_mode", self.replica_mode, ("threads", "spmd"))
         check_choice("inference.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
         check_choice("inference.kv_cache_dtype", self.kv_cache_dtype, ("float32", "bfloat16", "float16"))
+
+    @property
+    def generation_budget(self) -> int:
+        """The most tokens one completion can hold, its closing EOS included: max_new_tokens sampled ones plus
+        the EOS slot, or, with only max_seq_len limiting, max_seq_len less the shortest (one-token) prompt."""
+        if self.max_new_tokens is not None:
+            return min(self.max_new_tokens + 1, self.max_seq_len - 1)
+        return self.max_seq_len - 1

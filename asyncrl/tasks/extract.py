@@ -6,14 +6,16 @@ Everything here is linear in the completion's length (regex scans and one pass o
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from typing import Sequence
 
 ANSWER_FORMATS = ("boxed", "answer_tag", "answer_line", "gsm8k", "final_answer")
-"""boxed: last `\\boxed{..}`/`\\fbox{..}`; answer_tag: last `<answer>..</answer>`; answer_line: last
-`Answer: ..` line (DAPO's format); gsm8k: text after the last `####`; final_answer: the last "the final answer
-is X" up to the end of its sentence (Minerva's format, and what small instruct models say when they skip the box)."""
+"""boxed: last `\\boxed{..}`/`\\fbox{..}`, or the final run of several, graded as a set (`final_boxed`);
+answer_tag: last `<answer>..</answer>`; answer_line: last `Answer: ..` line (DAPO's format); gsm8k: text after the
+last `####`; final_answer: the last "the final answer is X" up to the end of its sentence (Minerva's format, and
+what small instruct models say when they skip the box)."""
 
 _THINK_CLOSE = "</think>"
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -53,6 +55,66 @@ def last_boxed(text: str) -> str | None:
     return text[best_start:best_end] if best_start >= 0 else None
 
 
+# Several boxes form one answer when the text between two of them is short, or a little longer but holding a
+# separator and the two contents differ: math-verify's rule (latex2sympy2_extended's `extract_boxed_content`,
+# whose docstring says that multiple boxes separated by a valid separator are extracted together), which then
+# parses them as one set. E.g. "the roots are \boxed{2} and \boxed{3}" answers {2, 3}.
+_BOX_SEPARATOR = re.compile(r"\b(?:and|or)\b|,|;")
+_NEAR, _FAR = 10, 70
+
+
+def _closed_boxes(text: str) -> list[tuple[int, int, int]]:
+    """(command start, content start, content end) of every closed box, in the order they close."""
+    first = _BOX_START.search(text)
+    if first is None:
+        return []
+    stack: list[tuple[int, int] | None] = []  # per open brace: (command start, content start) of a box, or None
+    boxes = []
+    for m in _BRACE_TOKEN.finditer(text, first.start()):
+        tok = m.group()
+        if tok == "{":
+            stack.append(None)
+        elif tok == "}":
+            top = stack.pop() if stack else None
+            if top is not None:
+                boxes.append((top[0], top[1], m.start()))
+        elif len(tok) > 2:
+            stack.append((m.start(), m.end()))
+    return boxes
+
+
+def final_boxed(text: str) -> list[str]:
+    """Contents of the final answer's boxes, left to right: the last-opened closed box (`last_boxed`) and the
+    boxes before it that the separator rule above joins to it; consecutive repeats are dropped. Empty when no
+    box is closed. Linear in the text: each step back is a binary search over the boxes' closing positions."""
+    boxes = _closed_boxes(text)
+    if not boxes:
+        return []
+    ends = [end for _, _, end in boxes]  # ascending: boxes are listed as they close
+    cur = max(boxes, key=lambda b: b[1])
+    group = [text[cur[1]:cur[2]]]
+    while True:
+        i = bisect.bisect_left(ends, cur[0]) - 1  # the box that closed last before `cur` opened
+        if i < 0 or cur[0] - ends[i] - 1 >= _FAR:
+            break
+        prev = boxes[i]
+        between, content = text[prev[2] + 1:cur[0]], text[prev[1]:prev[2]]
+        if not (len(between) < _NEAR or (content.strip() != group[-1].strip() and _BOX_SEPARATOR.search(between))):
+            break
+        if content.strip() != group[-1].strip():
+            group.append(content)
+        cur = prev
+    return group[::-1]
+
+
+def _boxed(text: str) -> str | None:
+    """The final answer's boxes; several are joined with commas, which math-verify reads as a set."""
+    group = final_boxed(text)
+    if not group:
+        return None
+    return group[0] if len(group) == 1 else ", ".join(g.strip() for g in group)
+
+
 def _answer_tag(text: str) -> str | None:
     close = text.rfind("</answer>")
     if close < 0:
@@ -61,7 +123,7 @@ def _answer_tag(text: str) -> str | None:
     if open_ < 0:
         return None
     inner = text[open_ + len("<answer>"):close]
-    boxed = last_boxed(inner)
+    boxed = _boxed(inner)
     return boxed if boxed is not None else inner
 
 
@@ -82,7 +144,7 @@ def _final_answer(text: str) -> str | None:
     sentence = text[last.end():end if end >= 0 else len(text)].lstrip(" \t:")
     cut = sentence.find(". ")
     sentence = sentence[:cut] if cut >= 0 else sentence
-    boxed = last_boxed(sentence)  # "The final answer is $\\boxed{5}$."
+    boxed = _boxed(sentence)  # "The final answer is $\\boxed{5}$."
     return boxed if boxed is not None else sentence
 
 
@@ -93,7 +155,7 @@ def _gsm8k(text: str) -> str | None:
     return text[cut + 4:].lstrip().split("\n", 1)[0]
 
 
-_EXTRACTORS = {"boxed": last_boxed, "answer_tag": _answer_tag, "answer_line": _answer_line, "gsm8k": _gsm8k,
+_EXTRACTORS = {"boxed": _boxed, "answer_tag": _answer_tag, "answer_line": _answer_line, "gsm8k": _gsm8k,
                "final_answer": _final_answer}
 
 

@@ -2,7 +2,9 @@
 zero-variance filters, is `collect.py`).
 
 `build_batch` turns this host's groups into a host-local numpy `RLBatch`. Sequence lengths are padded up to a
-multiple of `pad_to_multiple` so that the number of compiled train steps stays bounded.
+multiple of `pad_to_multiple` so that the number of compiled train steps stays bounded. DAPO's overlong
+shaping happens there (`train/shaping.py`): the penalty is added to `rewards` before advantages are taken, and
+overlong filtering clears the loss mask of truncated completions.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from asyncrl.inference.rollout import Rollout
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import group_stats, prepare_loss_inputs
+from asyncrl.train.shaping import shaping_for
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class RLBatch:
     tokens: np.ndarray  # [B, T] int32, prompt then completion, right-padded with 0
     sampler_logprobs: np.ndarray  # [B, T] float32, 0 on prompt, forced and pad positions
     seq_lens: np.ndarray  # [B] int32, prompt + completion length
-    rewards: np.ndarray  # [B] float32
+    rewards: np.ndarray  # [B] float32, the verifier's reward plus `overlong_penalty`
     group_mean: np.ndarray  # [B] float32, mean reward of the row's group
     group_std: np.ndarray  # [B] float32, unbiased std of the row's group
     group_ids: np.ndarray  # [B] int32, rows sampled from the same prompt share an id
@@ -43,6 +46,8 @@ class RLBatch:
     advantages: np.ndarray  # [B] float32
     weights: np.ndarray  # [B, T] float32, per-token loss weights normalised over this batch
     lag: np.ndarray  # [B] int32, trainer version - the oldest weight version of the row's tokens
+    overlong_penalty: np.ndarray  # [B] float32, DAPO's length penalty added to the reward (<= 0; 0 when off)
+    truncated: np.ndarray  # [B] bool, the completion was cut at the length limit (finish_reason 'length')
 
     @staticmethod
     def abstract(batch_size: int, seq_len: int, sharding: Callable[[int], Any] | None = None) -> "RLBatch":
@@ -60,7 +65,7 @@ _FIELDS = {
     "tokens": (np.int32, 2), "sampler_logprobs": (np.float32, 2), "seq_lens": (np.int32, 1),
     "rewards": (np.float32, 1), "group_mean": (np.float32, 1), "group_std": (np.float32, 1),
     "group_ids": (np.int32, 1), "loss_mask": (np.bool_, 2), "advantages": (np.float32, 1),
-    "weights": (np.float32, 2), "lag": (np.int32, 1),
+    "weights": (np.float32, 2), "lag": (np.int32, 1), "overlong_penalty": (np.float32, 1), "truncated": (np.bool_, 1),
 }
 
 
@@ -98,6 +103,8 @@ def build_batch(rollouts: Sequence[Rollout], version: int, loss_cfg: LossConfig,
     rewards = np.zeros((B,), np.float32)
     group_ids = np.zeros((B,), np.int32)
     lag = np.zeros((B,), np.int32)
+    lengths = np.zeros((B,), np.int32)
+    truncated = np.zeros((B,), bool)
     b = 0
     for g, r in enumerate(rollouts):
         r_rewards = r.rewards  # raises on unscored completions
@@ -111,13 +118,18 @@ def build_batch(rollouts: Sequence[Rollout], version: int, loss_cfg: LossConfig,
             rewards[b] = reward
             group_ids[b] = g
             lag[b] = version - (int(c.versions.min()) if n else version)
+            lengths[b], truncated[b] = n, c.finish_reason == "length"
             b += 1
+    penalty = shaping_for(lengths, truncated, loss_cfg)
+    rewards = rewards + penalty
+    if loss_cfg.overlong_filter:
+        mask &= ~truncated[:, None]
     mean, std, _ = group_stats(jnp.asarray(rewards), jnp.asarray(group_ids))
     adv, weights = prepare_loss_inputs(jnp.asarray(rewards), jnp.asarray(group_ids), jnp.asarray(mask), loss_cfg)
     return RLBatch(
         tokens=tokens, sampler_logprobs=sampler_lp, seq_lens=seq_lens, rewards=rewards,
         group_mean=np.asarray(mean), group_std=np.asarray(std), group_ids=group_ids, loss_mask=mask,
-        advantages=np.asarray(adv), weights=np.asarray(weights), lag=lag,
+        advantages=np.asarray(adv), weights=np.asarray(weights), lag=lag, overlong_penalty=penalty, truncated=truncated,
     )
 
 

@@ -65,7 +65,18 @@ class TrainConfig:
     train_batch_size: int = 64
     """Sequences per step across all trainer hosts (= prompts per step x group_size)."""
     grad_accum_steps: int = 1
-    """Micro-batches per step; the batch is split evenly and gradients summed (normalized over the full batch)."""
+    """Micro-batches per optimizer update; the (mini-)batch is split evenly and gradients summed (normalised over
+    the whole (mini-)batch)."""
+    updates_per_step: int = 1
+    """Optimizer updates per rollout batch (PPO epochs x mini-batches, one pass): the batch is split into this many
+    mini-batches, each one update. Before the first, the step computes the proximal logprobs of the whole batch
+    under the current params, and every update clips pi / pi_prox against them (decoupled PPO); the sampler gap is
+    then left to the rollout correction (loss.is_mode). 1 is the single-update step, where the sampler's logprobs
+    (or, with a correction, the current params) are the proximal policy. The lr schedule counts updates:
+    total_steps x updates_per_step of them, warmup_steps x updates_per_step of warm-up."""
+    ref_offload: bool = False
+    """With loss.kl_coef > 0: keep the reference params (the initial policy) in pinned host memory rather than on
+    the trainer chips; the step copies them in to compute the reference logprobs."""
     lr: float = 1e-6
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -115,6 +126,10 @@ class TrainConfig:
         check("train.grad_accum_steps", self.grad_accum_steps,
               self.grad_accum_steps >= 1 and self.train_batch_size % self.grad_accum_steps == 0,
               f">= 1 and divide train.train_batch_size={self.train_batch_size}")
+        k = self.updates_per_step
+        check("train.updates_per_step", k, k >= 1 and self.train_batch_size % (k * self.grad_accum_steps) == 0,
+              f">= 1 and, times train.grad_accum_steps={self.grad_accum_steps}, divide "
+              f"train.train_batch_size={self.train_batch_size}")
         check("train.lr", self.lr, self.lr > 0, "> 0")
         check("train.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
         check("train.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")

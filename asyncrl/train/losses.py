@@ -1,32 +1,30 @@
-"""RL policy-gradient losses as pure array functions, with their batch-level advantages and token weights.
+"""RL policy-gradient losses as pure array functions.
 
 Every loss has the signature of `LossFn` and is looked up by name (`get_loss(cfg.name)`). Inputs per micro-batch:
 `logprobs` [B, T] (trainer, differentiated), `sampler_logprobs` [B, T] (what the inference engine recorded: the
-behaviour policy), `advantages` [B], `weights` [B, T], `mask` [B, T]. Logprobs follow the temperature convention
-of `asyncrl/train/logprobs.py`.
+behaviour policy), `advantages` [B], `weights` [B, T], `mask` [B, T], and optionally `prox_logprobs` [B, T] (the
+proximal policy: the trainer's params before the step's first update) and `ref_logprobs` [B, T] (the reference
+policy of the KL term). Logprobs follow the temperature convention of `asyncrl/train/logprobs.py`. Advantages and
+weights come from `asyncrl/train/advantages.py` (computed on the whole batch, table there).
 
-Advantages and weights are computed once per step on the FULL batch (`prepare_loss_inputs`), before it is split
-into micro-batches: groups and normalisers must not depend on how the batch is split. The loss is then
-`sum(weights * per_token_objective)`, so the sum of micro-batch losses (and gradients) equals the full-batch loss.
-
-| name    | advantage                        | default normalisation: weight of a kept token          |
-|---------|----------------------------------|--------------------------------------------------------|
-| grpo    | (r - mean_g) / (std_g + std_eps) | seq_mean:   1 / (len_i * B)   (mean of sequence means) |
-| dapo    | (r - mean_g) / (std_g + std_eps) | token_mean: 1 / total_tokens                           |
-| dr_grpo | r - mean_g                       | constant:   1 / (B * T_max)   (length-unbiased)        |
-| cispo   | r - mean_g                       | token_mean: 1 / total_tokens                           |
-| rloo    | r - (sum_g - r) / (G - 1)        | seq_mean:   1 / (len_i * B)                            |
-
-std_g is the unbiased group std (as `torch.std` in TRL and verl). B counts kept sequences (seq_mean: those with
-at least one loss token), T_max is `cfg.max_tokens` or the padded length. `cfg.normalization` overrides the column.
-
-Per-token objectives (minimised), with ratio r = exp(lp - lp_old) and A the sequence's advantage:
-- grpo, dapo, dr_grpo, rloo: PPO clip, -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A).
+The loss is `sum(weights * c * per_token_objective) + kl_coef * sum(weights * k3)`, minimised, with A the row's
+advantage and lp_old the policy the ratio is taken against:
+- grpo, dapo, dr_grpo, rloo: PPO clip, -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A), r = exp(lp - lp_old).
 - cispo: -sg(min(r, eps_high)) * A * lp (seed blog / MiniMax-M1; every token keeps its gradient).
-Without TIS, lp_old is the sampler's logprob. With TIS (`cfg.tis_cap`), lp_old is the proximal policy (by default
-the trainer's own detached logprobs, so r == 1 in value) and each token's objective is multiplied by the truncated
-importance weight sg(min(exp(lp_old - lp_sampler), tis_cap)), which corrects trainer/sampler numerics mismatch.
-With `cfg.kl_coef > 0`, kl_coef * sum(weights * k3) is added, k3 = exp(ref - lp) - (ref - lp) - 1.
+- gspo (GSPO, Zheng et al. 2025): the PPO clip on the row's length-normalised sequence ratio
+  s = exp(mean_t (lp - lp_old)), the same for every token of the row; with seq_mean weights the loss is
+  -1/B sum_i min(s_i A_i, clip(s_i) A_i), the paper's objective.
+- gspo_token: GSPO-token's ratio sg(s) * exp(lp - sg(lp)): the value of s, each token's own gradient. With one
+  advantage per row (all we have) it equals gspo in value and gradient, as the paper notes.
+
+lp_old and the correction factor c (decoupled PPO, AReaL; `asyncrl/train/correction.py`):
+- With `prox_logprobs` (the step passes them when `train.updates_per_step > 1`), r = pi / pi_prox.
+- Without them, and with a rollout correction on (`loss.is_mode` / `loss.tis_cap`), the proximal policy is the
+  trainer's current one: lp_old = sg(lp), r == 1 in value (one update per batch: the params have not moved).
+- Without either, lp_old is the sampler's logprob and c = 1: plain PPO against the behaviour policy.
+- With a correction on, c = sg(correction weight of pi_prox / pi_sampler) (truncated or masked, token or sequence
+  level); otherwise c = 1.
+With `cfg.kl_coef > 0`, k3 = exp(ref - lp) - (ref - lp) - 1 (Schulman's k3 estimator of KL(pi || pi_ref)).
 
 Metrics are reducible across micro-batches and devices by key suffix: `*_min` by min, `*_max` by max, everything
 else by sum. `reduce_metrics` applies that rule; `finalize_metrics` turns `<x>_sum` into the per-token mean `<x>`
@@ -42,24 +40,17 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
+from asyncrl.train.advantages import (  # noqa: F401  (re-exported: the batch-level half of every loss)
+    ADVANTAGE_ESTIMATORS, DEFAULT_NORMALIZATION, compute_advantages, group_stats, keep_sequences, loss_weights,
+    prepare_loss_inputs,
+)
+from asyncrl.train.correction import correction_weights
 from asyncrl.train.loss_config import LossConfig
 
 Metrics = dict[str, jax.Array]
-
-ADVANTAGE_ESTIMATORS = {
-    "grpo": "group_std",
-    "dapo": "group_std",
-    "dr_grpo": "group_mean",
-    "cispo": "group_mean",
-    "rloo": "leave_one_out",
-}
-DEFAULT_NORMALIZATION = {
-    "grpo": "seq_mean",
-    "rloo": "seq_mean",
-    "dapo": "token_mean",
-    "cispo": "token_mean",
-    "dr_grpo": "constant",
-}
+# (log ratio [B, T], 0 off the mask; advantage [B, 1]; lp [B, T]; mask [B, T] float)
+#   -> (objective [B, T], clipped [B, T] bool, ratio [B, T] as reported in the metrics)
+PerToken = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 
 
 class LossFn(Protocol):
@@ -99,75 +90,6 @@ def get_loss(name: str) -> LossFn:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Batch level: advantages and token weights.
-
-
-def _same_group(group_ids: jax.Array) -> jax.Array:
-    # A [B, B] comparison instead of segment sums: ids need not be dense, and B (sequences per step) is small.
-    return group_ids[:, None] == group_ids[None, :]  # [B, B]
-
-
-def group_stats(rewards: jax.Array, group_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per sequence, the (mean, unbiased std, size) of its group's rewards; each [B]."""
-    rewards = rewards.astype(jnp.float32)
-    same = _same_group(group_ids).astype(jnp.float32)  # [B, B]
-    # Elementwise sums, not `same @ rewards`: a TPU f32 matmul at default precision rounds through bf16.
-    size = jnp.sum(same, axis=1)
-    mean = jnp.sum(same * rewards[None, :], axis=1) / size
-    sq = jnp.sum(same * (rewards[None, :] - mean[:, None]) ** 2, axis=1)
-    std = jnp.sqrt(sq / jnp.maximum(size - 1.0, 1.0))
-    return mean, std, size
-
-
-def compute_advantages(rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig) -> jax.Array:
-    """Sequence advantages [B] from rewards [B] and group ids [B] (sequences sampled from the same prompt)."""
-    rewards = rewards.astype(jnp.float32)
-    mean, std, size = group_stats(rewards, group_ids)
-    estimator = ADVANTAGE_ESTIMATORS[cfg.name]
-    if estimator == "group_std":
-        return (rewards - mean) / (std + cfg.std_eps)
-    if estimator == "group_mean":
-        return rewards - mean
-    # Leave-one-out: r - mean of the others == G / (G - 1) * (r - mean); a singleton group has no baseline.
-    return jnp.where(size > 1, (rewards - mean) * size / jnp.maximum(size - 1.0, 1.0), 0.0)
-
-
-def keep_sequences(rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig) -> jax.Array:
-    """[B] bool: False for sequences of equal-reward groups when `cfg.filter_zero_variance`, else all True."""
-    if not cfg.filter_zero_variance:
-        return jnp.ones(rewards.shape, bool)
-    same = _same_group(group_ids)
-    hi = jnp.max(jnp.where(same, rewards[None, :], -jnp.inf), axis=1)
-    lo = jnp.min(jnp.where(same, rewards[None, :], jnp.inf), axis=1)
-    return hi > lo
-
-
-def loss_weights(mask: jax.Array, cfg: LossConfig, keep: jax.Array | None = None) -> jax.Array:
-    """Token weights [B, T] for the FULL batch; see the normalisation table in the module docstring."""
-    m = mask.astype(jnp.float32)  # [B, T]
-    if keep is not None:
-        m = m * keep.astype(jnp.float32)[:, None]
-    mode = cfg.normalization or DEFAULT_NORMALIZATION[cfg.name]
-    if mode == "token_mean":
-        return m / jnp.maximum(jnp.sum(m), 1.0)
-    lengths = jnp.sum(m, axis=1)  # [B]
-    if mode == "seq_mean":
-        n_seqs = jnp.sum(lengths > 0)
-        return m / (jnp.maximum(lengths, 1.0) * jnp.maximum(n_seqs, 1))[:, None]
-    n_seqs = m.shape[0] if keep is None else jnp.sum(keep)
-    t_max = cfg.max_tokens or m.shape[1]
-    return m / (jnp.maximum(n_seqs, 1) * t_max)
-
-
-def prepare_loss_inputs(
-    rewards: jax.Array, group_ids: jax.Array, mask: jax.Array, cfg: LossConfig
-) -> tuple[jax.Array, jax.Array]:
-    """(advantages [B], weights [B, T]) for the full batch of one optimizer step."""
-    keep = keep_sequences(rewards, group_ids, cfg)
-    return compute_advantages(rewards, group_ids, cfg), loss_weights(mask, cfg, keep)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Per micro-batch: the losses.
 
 
@@ -177,7 +99,7 @@ def _masked_diff(a: jax.Array, b: jax.Array, m: jax.Array) -> jax.Array:
 
 
 def _objective(
-    per_token: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
+    per_token: PerToken,
     logprobs: jax.Array,
     sampler_logprobs: jax.Array,
     advantages: jax.Array,
@@ -187,7 +109,7 @@ def _objective(
     ref_logprobs: jax.Array | None,
     prox_logprobs: jax.Array | None,
 ) -> tuple[jax.Array, Metrics]:
-    """Shared ratio / TIS / KL / metrics plumbing; `per_token(ratio, adv, lp) -> (objective, clipped)` [B, T]."""
+    """Shared ratio / correction / KL / metrics plumbing around one loss's `per_token` objective."""
     sg = jax.lax.stop_gradient
     m = mask.astype(bool)  # [B, T]
     mf = m.astype(jnp.float32)
@@ -196,19 +118,19 @@ def _objective(
     w = weights.astype(jnp.float32) * mf
     adv = advantages.astype(jnp.float32)[:, None]  # [B, 1]
 
-    if cfg.tis_cap is None:
-        lp_old = lp_sampler
+    corrected = cfg.correction != "off"
+    if prox_logprobs is not None:
+        lp_old = prox_logprobs.astype(jnp.float32)
+    elif corrected:
+        lp_old = sg(lp)
     else:
-        lp_old = sg(lp) if prox_logprobs is None else prox_logprobs.astype(jnp.float32)
-    ratio = jnp.exp(_masked_diff(lp, lp_old, m))  # [B, T]
-    objective, clipped = per_token(ratio, adv, lp)
+        lp_old = lp_sampler
+    objective, clipped, ratio = per_token(_masked_diff(lp, lp_old, m), adv, lp, mf)
     metrics: Metrics = {}
-    if cfg.tis_cap is not None:
-        raw = jnp.exp(_masked_diff(lp_old, lp_sampler, m))
-        tis = sg(jnp.minimum(raw, cfg.tis_cap))
-        objective = objective * tis
-        metrics["tis_weight_sum"] = jnp.sum(tis * mf)
-        metrics["tis_truncated_tokens"] = jnp.sum((raw > cfg.tis_cap) & m)
+    if corrected:
+        factor, correction_metrics = correction_weights(lp_old, lp_sampler, m, cfg)
+        objective = objective * factor
+        metrics |= correction_metrics
     pg_loss = jnp.sum(w * objective)
     loss = pg_loss
 
@@ -235,59 +157,86 @@ def _objective(
     return loss, {k: sg(v).astype(jnp.float32) for k, v in metrics.items()}
 
 
-def _ppo_clip(cfg: LossConfig):
+def _clip(ratio: jax.Array, adv: jax.Array, cfg: LossConfig) -> tuple[jax.Array, jax.Array]:
+    """PPO's pessimistic clipped surrogate (negated) and where the clip removed the gradient."""
     lo, hi = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
+    objective = -jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
+    clipped = ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))  # tokens with no gradient
+    return objective, clipped
 
-    def per_token(ratio: jax.Array, adv: jax.Array, lp: jax.Array) -> tuple[jax.Array, jax.Array]:
-        objective = -jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
-        clipped = ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))  # tokens with no gradient
-        return objective, clipped
+
+def _ppo_clip(cfg: LossConfig) -> PerToken:
+    def per_token(log_ratio: jax.Array, adv: jax.Array, lp: jax.Array, mf: jax.Array):
+        ratio = jnp.exp(log_ratio)
+        return *_clip(ratio, adv, cfg), ratio
 
     return per_token
 
 
-def ppo_clip_loss(
-    logprobs: jax.Array,
-    sampler_logprobs: jax.Array,
-    advantages: jax.Array,
-    weights: jax.Array,
-    mask: jax.Array,
-    cfg: LossConfig,
-    ref_logprobs: jax.Array | None = None,
-    *,
-    prox_logprobs: jax.Array | None = None,
-) -> tuple[jax.Array, Metrics]:
-    """PPO clipped surrogate; grpo, dapo, dr_grpo and rloo differ only in advantages, weights and epsilons."""
-    return _objective(
-        _ppo_clip(cfg), logprobs, sampler_logprobs, advantages, weights, mask, cfg, ref_logprobs, prox_logprobs
-    )
+def _sequence_log_ratio(log_ratio: jax.Array, mf: jax.Array) -> jax.Array:
+    """GSPO's length-normalised log sequence ratio, mean_t log_ratio over the row's loss tokens: [B, 1]."""
+    return jnp.sum(log_ratio, axis=1, keepdims=True) / jnp.maximum(jnp.sum(mf, axis=1, keepdims=True), 1.0)
 
+
+def _gspo(cfg: LossConfig) -> PerToken:
+    def per_token(log_ratio: jax.Array, adv: jax.Array, lp: jax.Array, mf: jax.Array):
+        s = jnp.exp(_sequence_log_ratio(log_ratio, mf))  # [B, 1]
+        objective, clipped = _clip(s, adv, cfg)
+        shape = log_ratio.shape
+        return jnp.broadcast_to(objective, shape), jnp.broadcast_to(clipped, shape), jnp.broadcast_to(s, shape)
+
+    return per_token
+
+
+def _gspo_token(cfg: LossConfig) -> PerToken:
+    def per_token(log_ratio: jax.Array, adv: jax.Array, lp: jax.Array, mf: jax.Array):
+        sg = jax.lax.stop_gradient
+        s = sg(jnp.exp(_sequence_log_ratio(log_ratio, mf)))  # [B, 1]
+        ratio = s * jnp.exp(jnp.where(mf > 0, lp - sg(lp), 0.0))  # value s, gradient of the token's own lp
+        return *_clip(ratio, adv, cfg), ratio
+
+    return per_token
+
+
+def _cispo(cfg: LossConfig) -> PerToken:
+    def per_token(log_ratio: jax.Array, adv: jax.Array, lp: jax.Array, mf: jax.Array):
+        ratio = jnp.exp(log_ratio)
+        capped = jax.lax.stop_gradient(jnp.minimum(ratio, cfg.epsilon_high))
+        return -capped * adv * lp, ratio > cfg.epsilon_high, ratio
+
+    return per_token
+
+
+def _make_loss(per_token_for: Callable[[LossConfig], PerToken], doc: str) -> LossFn:
+    def loss_fn(
+        logprobs: jax.Array,
+        sampler_logprobs: jax.Array,
+        advantages: jax.Array,
+        weights: jax.Array,
+        mask: jax.Array,
+        cfg: LossConfig,
+        ref_logprobs: jax.Array | None = None,
+        *,
+        prox_logprobs: jax.Array | None = None,
+    ) -> tuple[jax.Array, Metrics]:
+        return _objective(per_token_for(cfg), logprobs, sampler_logprobs, advantages, weights, mask, cfg,
+                          ref_logprobs, prox_logprobs)
+
+    loss_fn.__doc__ = doc
+    return loss_fn
+
+
+ppo_clip_loss = _make_loss(_ppo_clip, "PPO clipped surrogate; grpo, dapo, dr_grpo and rloo differ only in "
+                                      "advantages, weights and epsilons.")
+cispo_loss = _make_loss(_cispo, "CISPO: REINFORCE with the importance weight capped at epsilon_high and detached.")
+gspo_loss = _make_loss(_gspo, "GSPO: the PPO clip on the length-normalised sequence ratio.")
+gspo_token_loss = _make_loss(_gspo_token, "GSPO-token: the sequence ratio's value with each token's own gradient.")
 
 for _name in ("grpo", "dapo", "dr_grpo", "rloo"):
     register_loss(_name)(ppo_clip_loss)
-
-
-@register_loss("cispo")
-def cispo_loss(
-    logprobs: jax.Array,
-    sampler_logprobs: jax.Array,
-    advantages: jax.Array,
-    weights: jax.Array,
-    mask: jax.Array,
-    cfg: LossConfig,
-    ref_logprobs: jax.Array | None = None,
-    *,
-    prox_logprobs: jax.Array | None = None,
-) -> tuple[jax.Array, Metrics]:
-    """CISPO: REINFORCE with the importance weight capped at epsilon_high and detached."""
-
-    def per_token(ratio: jax.Array, adv: jax.Array, lp: jax.Array) -> tuple[jax.Array, jax.Array]:
-        capped = jax.lax.stop_gradient(jnp.minimum(ratio, cfg.epsilon_high))
-        return -capped * adv * lp, ratio > cfg.epsilon_high
-
-    return _objective(
-        per_token, logprobs, sampler_logprobs, advantages, weights, mask, cfg, ref_logprobs, prox_logprobs
-    )
+register_loss("cispo")(cispo_loss)
+register_loss("gspo")(gspo_loss)
+register_loss("gspo_token")(gspo_token_loss)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -318,7 +267,8 @@ def reduce_metrics(metrics: list[Metrics]) -> Metrics:
 
 
 def finalize_metrics(metrics: Metrics) -> Metrics:
-    """Reduced sums -> loggable values: `<x>_sum` -> mean `<x>`, `<x>_tokens` -> `<x>_frac` over token_count."""
+    """Reduced sums -> loggable values: `<x>_sum` -> mean `<x>`, `<x>_tokens` -> `<x>_frac` over token_count, and
+    the correction's `is_ess` from its first two moments."""
     count = jnp.maximum(metrics["token_count"], 1.0)
     out: Metrics = {}
     for k, v in metrics.items():
@@ -328,4 +278,8 @@ def finalize_metrics(metrics: Metrics) -> Metrics:
             out[k.removesuffix("_tokens") + "_frac"] = v / count
         else:
             out[k] = v
+    if "is_applied_sq" in out:
+        # Kish ESS fraction from two means over the same tokens: (sum a)^2 / (n sum a^2) == mean^2 / mean(a^2).
+        sq = out.pop("is_applied_sq")
+        out["is_ess"] = jnp.where(sq > 0, out["is_applied"] ** 2 / jnp.where(sq > 0, sq, 1.0), 0.0)
     return out

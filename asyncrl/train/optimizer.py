@@ -22,13 +22,14 @@ Schedule = Callable[[jax.Array | int], jax.Array]
 
 
 def lr_schedule(cfg: TrainConfig) -> Schedule:
-    """Learning rate at optimizer step `count` (0-based): linear warmup, then cosine decay to lr * min_lr_ratio.
+    """Learning rate at optimizer update `count` (0-based): linear warmup, then cosine decay to lr * min_lr_ratio.
 
-    Warmup starts at lr / warmup_steps rather than 0, so that the first step of a run is not wasted (optax's
+    Counts updates, not rollout steps: with `updates_per_step` k, warmup and decay stretch over k times as many.
+    Warmup starts at lr / warmup rather than 0, so that the first update of a run is not wasted (optax's
     `warmup_cosine_decay_schedule` gives exactly 0 at count 0)."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
-    warmup = cfg.warmup_steps
-    decay = max(cfg.total_steps - warmup, 1)
+    warmup = cfg.warmup_steps * cfg.updates_per_step
+    decay = max(cfg.total_steps * cfg.updates_per_step - warmup, 1)
 
     def schedule(count: jax.Array | int) -> jax.Array:
         count = jnp.asarray(count, jnp.float32)

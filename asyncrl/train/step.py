@@ -1,12 +1,18 @@
-"""One jitted optimizer step: full-batch loss inputs, gradient accumulation over micro-batches, AdamW update.
+"""One jitted train step: full-batch loss inputs, then `train.updates_per_step` optimizer updates, each with
+gradient accumulation over micro-batches.
 
 The step sees the *global* batch (sharded over the data axes, and along T over "cp" under context parallelism,
 see `train/mesh.py`), so everything it reduces is global:
-1. Advantages and token weights are computed over the whole batch before it is split (losses.py explains why
-   the sum of micro-batch losses then equals the full-batch loss).
-2. The batch is cut into `grad_accum_steps` micro-batches `[G, B/G, ...]` and a `lax.scan` sums loss, grads and
-   metrics. Micro-batch g takes rows g, G+g, 2G+g, ... so that each device's rows stay on that device.
-3. The summed grads go through clipping + AdamW once.
+1. Advantages (and, with one update, token weights) are computed over the whole batch before it is split
+   (advantages.py explains why the sum of micro-batch losses then equals the full-batch loss).
+2. Logprobs that must not move during the step are computed first, with no gradient: the KL reference's
+   (loss.kl_coef > 0) and, with several updates, the proximal policy's (the params before the first update:
+   decoupled PPO, AReaL), so that every update clips pi / pi_prox against the same policy.
+3. With k = updates_per_step, the batch is cut into k mini-batches and a `lax.scan` takes one optimizer update on
+   each; each mini-batch's token weights are normalised over itself. Within an update, the mini-batch is cut into
+   `grad_accum_steps` micro-batches `[G, B/G, ...]` and a `lax.scan` sums loss, grads and metrics. Slices are
+   strided (micro-batch g takes rows g, G+g, 2G+g, ...) so that each device's rows stay on that device.
+4. The summed grads go through clipping + AdamW once per update.
 
 Params and optimizer state are donated and come back on their pinned shardings, so a step never holds two
 copies of either. Trainer logprobs use the fused chunked LM head (`fused_logprobs_and_entropy`): the [N, V]
@@ -26,10 +32,11 @@ from jax.sharding import PartitionSpec as P
 from asyncrl.models import params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
+from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weights, prepare_loss_inputs
 from asyncrl.train.batch import RLBatch
 from asyncrl.train.logprobs import fused_logprobs_and_entropy, scale_for_temperature
 from asyncrl.train.loss_config import LossConfig
-from asyncrl.train.losses import Metrics, finalize_metrics, get_loss, metric_reduction, prepare_loss_inputs
+from asyncrl.train.losses import Metrics, finalize_metrics, get_loss, metric_reduction
 from asyncrl.train.mesh import DATA_AXES, TrainShardings
 from asyncrl.train.optimizer import Schedule
 
@@ -95,13 +102,16 @@ def with_global_loss_inputs(batch: RLBatch, loss_cfg: LossConfig) -> RLBatch:
 
 
 def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_size: int,
-                 compute_dtype: Any = None) -> Callable[[Params, RLBatch], tuple[jax.Array, Metrics]]:
-    """The micro-batch loss. With `compute_dtype`, the (fp32 master) params are cast first: on their FSDP shards,
-    so each layer's all-gather and matmuls run in that dtype, and the gradient comes back through the cast in
-    the master dtype."""
+                 compute_dtype: Any = None) -> Callable[..., tuple[jax.Array, Metrics]]:
+    """The micro-batch loss `(params, mb, frozen={}) -> (loss, metrics)`. `frozen` holds detached [b, T-1]
+    logprobs of the same rows: "prox" (the proximal policy) and "ref" (the KL reference), when the step has them.
+    With `compute_dtype`, the (fp32 master) params are cast first: on their FSDP shards, so each layer's
+    all-gather and matmuls run in that dtype, and the gradient comes back through the cast in the master dtype."""
     loss_fn = get_loss(loss_cfg.name)
 
-    def micro_loss(params: Params, mb: RLBatch) -> tuple[jax.Array, Metrics]:
+    def micro_loss(params: Params, mb: RLBatch, frozen: dict[str, jax.Array] | None = None
+                   ) -> tuple[jax.Array, Metrics]:
+        frozen = frozen or {}
         if compute_dtype is not None:
             params = params_lib.cast(params, compute_dtype)
         with jax.named_scope("logprobs"):
@@ -112,7 +122,7 @@ def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_s
         mask = from_second(mb.loss_mask)
         with jax.named_scope("loss"):
             loss, metrics = loss_fn(lp, from_second(mb.sampler_logprobs), mb.advantages, from_second(mb.weights),
-                                    mask, loss_cfg)
+                                    mask, loss_cfg, frozen.get("ref"), prox_logprobs=frozen.get("prox"))
         metrics = dict(metrics)
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, ent, 0.0))
         metrics["tokens"] = jnp.sum(mb.seq_lens).astype(jnp.float32)
@@ -121,49 +131,142 @@ def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_s
     return micro_loss
 
 
-def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
-               grad_accum_steps: int, temperature: float, chunk_size: int, params: Params, opt_state: Any,
-               batch: RLBatch, step: jax.Array, opt_state_compute: Any = None, compute_dtype: Any = None
-               ) -> tuple[Params, Any, Metrics]:
-    """The unjitted step (see `make_train_step`). `opt_state_compute` moves an offloaded state into device memory."""
-    micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size, compute_dtype)
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    with jax.named_scope("loss_inputs"):
-        batch = with_global_loss_inputs(batch, loss_cfg)
-        micro = jax.tree.map(lambda x: split_micro_batches(x, grad_accum_steps), batch)
+def frozen_logprobs(model: Model, params: Params, batch: RLBatch, updates: int, grad_accum_steps: int,
+                    temperature: float, chunk_size: int, compute_dtype: Any = None) -> jax.Array:
+    """Detached logprobs of every row under `params` (the proximal or the reference policy), laid out as the
+    updates consume them: [updates, grad_accum_steps, b, T-1], entry [j, g] for micro-batch g of mini-batch j.
 
-    def body(acc: Params, mb: RLBatch) -> tuple[Params, Metrics]:
-        (_, metrics), g = grad_fn(params, mb)
+    The same fused chunked LM head as the loss, one micro-batch at a time (the memory of a forward pass without
+    its backward), and no gradient."""
+    if compute_dtype is not None:
+        params = params_lib.cast(params, compute_dtype)
+
+    def micro(_, mb: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        lp, _ = token_logprobs(model, params, mb[0], mb[1], temperature, chunk_size)
+        return None, jax.lax.stop_gradient(lp)
+
+    def mini(_, x: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        return jax.lax.scan(micro, None, tuple(split_micro_batches(a, grad_accum_steps) for a in x))
+
+    split = lambda a: split_micro_batches(a, updates)  # noqa: E731
+    return jax.lax.scan(mini, None, (split(batch.tokens), split(batch.seq_lens)))[1]
+
+
+def _accumulate_and_update(grad_fn: Callable, tx: optax.GradientTransformation, grad_accum_steps: int,
+                           params: Params, opt_state: Any, mini: RLBatch, frozen: dict[str, jax.Array],
+                           opt_state_compute: Any = None) -> tuple[Params, Any, Metrics, Params, Params]:
+    """One optimizer update on one mini-batch: grads summed over its micro-batches, then clipping + AdamW.
+    Returns (params, opt_state, reduced metrics, grads, updates)."""
+    micro = jax.tree.map(lambda x: split_micro_batches(x, grad_accum_steps), mini)
+
+    def body(acc: Params, xs: tuple[RLBatch, dict[str, jax.Array]]) -> tuple[Params, Metrics]:
+        (_, metrics), g = grad_fn(params, *xs)
         return jax.tree.map(jnp.add, acc, g), metrics
 
     with jax.named_scope("grad_accum"):
         # One path for every grad_accum_steps: at 1 the scan carry costs no extra buffer (measured on SmolLM2).
-        grads, stacked = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+        grads, stacked = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), (micro, frozen))
         metrics = _reduce_stacked(stacked)
     with jax.named_scope("optimizer"):
         if opt_state_compute is not None:
             opt_state = jax.device_put(opt_state, opt_state_compute)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-    metrics = finalize_metrics(metrics)
-    metrics["grad_norm"] = optax.global_norm(grads)
-    metrics["update_norm"] = optax.global_norm(updates)
+    return params, opt_state, metrics, grads, updates
+
+
+# Values that are already means over an update's tokens (or norms of one update): over several updates they
+# are averaged, where token sums and counts add up.
+PER_UPDATE = ("loss", "pg_loss", "kl_loss", "grad_norm", "update_norm")
+
+
+def _combine_updates(stacked: Metrics) -> Metrics:
+    out = _reduce_stacked({k: v for k, v in stacked.items() if k not in PER_UPDATE})
+    return out | {k: jnp.mean(v, axis=0) for k, v in stacked.items() if k in PER_UPDATE}
+
+
+def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
+               grad_accum_steps: int, temperature: float, chunk_size: int, params: Params, opt_state: Any,
+               batch: RLBatch, step: jax.Array, opt_state_compute: Any = None, compute_dtype: Any = None,
+               updates_per_step: int = 1, ref_params: Params | None = None, ref_compute: Any = None
+               ) -> tuple[Params, Any, Metrics]:
+    """The unjitted step (see `make_train_step`). `opt_state_compute` moves an offloaded state into device memory,
+    `ref_compute` an offloaded reference."""
+    k = updates_per_step
+    micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size, compute_dtype)
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    frozen_lp = lambda p: frozen_logprobs(model, p, batch, k, grad_accum_steps, temperature, chunk_size,  # noqa: E731
+                                          compute_dtype)
+    with jax.named_scope("loss_inputs"):
+        batch = with_global_loss_inputs(batch, loss_cfg)
+    frozen: dict[str, jax.Array] = {}  # each [k, grad_accum_steps, b, T-1]
+    if loss_cfg.kl_coef > 0:
+        if ref_params is None:
+            raise ValueError("loss.kl_coef > 0: the step needs the reference params")
+        if ref_compute is not None:
+            ref_params = jax.device_put(ref_params, ref_compute)
+        with jax.named_scope("ref_logprobs"):
+            frozen["ref"] = frozen_lp(ref_params)
+    if k > 1:
+        # Decoupled PPO: the proximal policy is the params before the first update, for every mini-batch.
+        with jax.named_scope("prox_logprobs"):
+            frozen["prox"] = frozen_lp(params)
+
+    if k == 1:
+        # Exactly the single-update step (bit for bit when no frozen logprobs are needed): the weights above
+        # are normalised over the whole batch, which is the one mini-batch.
+        params, opt_state, metrics, grads, updates = _accumulate_and_update(
+            grad_fn, tx, grad_accum_steps, params, opt_state, batch, {n: v[0] for n, v in frozen.items()},
+            opt_state_compute)
+        metrics = finalize_metrics(metrics)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["update_norm"] = optax.global_norm(updates)
+    else:
+        # Advantages stay those of the whole batch (groups span mini-batches); each update's loss is normalised
+        # over its own mini-batch, as in PPO's mini-batch SGD, so every update has the scale of a one-update step.
+        whole = lambda x: _reshard(x, P(*([None] * x.ndim)))  # noqa: E731
+        keep = _reshard(keep_sequences(whole(batch.rewards), whole(batch.group_ids), loss_cfg), _data_spec(1))
+        minis = jax.tree.map(lambda x: split_micro_batches(x, k), batch)
+        if opt_state_compute is not None:  # the scan carry must keep one memory kind: device memory throughout
+            opt_state = jax.device_put(opt_state, opt_state_compute)
+
+        def update(carry: tuple[Params, Any], xs: tuple[RLBatch, jax.Array, dict[str, jax.Array]]):
+            mini, keep_j, frozen_j = xs
+            mini = dataclasses.replace(mini, weights=loss_weights(mini.loss_mask, loss_cfg, keep_j))
+            p, o, m, grads, updates = _accumulate_and_update(grad_fn, tx, grad_accum_steps, *carry, mini, frozen_j)
+            return (p, o), m | {"grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates)}
+
+        with jax.named_scope("updates"):
+            (params, opt_state), stacked = jax.lax.scan(update, (params, opt_state),
+                                                        (minis, split_micro_batches(keep, k), frozen))
+        metrics = finalize_metrics(_combine_updates(stacked))
     metrics["lr"] = schedule(step)
-    return params, opt_state, metrics
+    return params, opt_state, metrics | _sample_counts(batch, loss_cfg)
+
+
+def _sample_counts(batch: RLBatch, loss_cfg: LossConfig) -> Metrics:
+    """How many samples of the batch were cut at the length limit, and how many DAPO's overlong penalty
+    (`overlong_penalized`) and overlong filtering (`overlong_filtered`) touched."""
+    count = lambda x: jnp.sum(x).astype(jnp.float32)  # noqa: E731
+    truncated = count(batch.truncated)
+    return {"samples_truncated": truncated, "overlong_penalized": count(batch.overlong_penalty < 0),
+            "overlong_filtered": truncated if loss_cfg.overlong_filter else jnp.zeros((), jnp.float32)}
 
 
 def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
                     shardings: TrainShardings, grad_accum_steps: int, temperature: float, chunk_size: int,
-                    compute_dtype: Any = None) -> StepFn:
-    """`step_fn(params, opt_state, global_batch, step) -> (params, opt_state, metrics)`, jitted, state donated.
+                    compute_dtype: Any = None, updates_per_step: int = 1, ref_compute: Any = None) -> StepFn:
+    """`step_fn(params, opt_state, global_batch, step, ref_params=None) -> (params, opt_state, metrics)`, jitted,
+    params and optimizer state donated. `ref_params` (the KL reference) is needed when loss.kl_coef > 0; it may
+    live in pinned host memory, in which case `ref_compute` gives its device-memory shardings.
 
-    Must be called under `jax.set_mesh(shardings.mesh)`. `step` (int32 scalar) is the optimizer step about to be
-    taken; it only feeds the `lr` metric (the optimizer keeps its own count)."""
-    if loss_cfg.kl_coef > 0:
-        raise ValueError("loss.kl_coef > 0 needs reference-model logprobs, which the trainer does not compute yet")
+    Must be called under `jax.set_mesh(shardings.mesh)`. `step` (int32 scalar) is the optimizer update about to
+    be taken (the step's first, with several updates per step); it only feeds the `lr` metric (the optimizer
+    keeps its own count)."""
+    check_normalizer(loss_cfg)
     compute = shardings.opt_state_compute if shardings.offloaded else None
-    fn = lambda params, opt_state, batch, step: train_step(  # noqa: E731
+    fn = lambda params, opt_state, batch, step, ref_params=None: train_step(  # noqa: E731
         model, tx, loss_cfg, schedule, grad_accum_steps, temperature, chunk_size, params, opt_state, batch, step,
-        compute, compute_dtype)
+        compute, compute_dtype, updates_per_step, ref_params, ref_compute)
     return jax.jit(fn, donate_argnums=(0, 1),
                    out_shardings=(shardings.params, shardings.opt_state, shardings.replicated))

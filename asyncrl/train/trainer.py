@@ -8,6 +8,7 @@ batch (`batch.build_batch`), calls `Trainer.step` on every trainer host at once 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Sequence
 
@@ -22,19 +23,25 @@ from asyncrl.train.batch import HostMetrics, RLBatch, combine_host_metrics, pad_
 from asyncrl.train.config import ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.mesh import (
-    host_allgather, make_shardings, make_train_mesh, shard_batch, train_rules, trainer_processes,
+    host_allgather, make_shardings, make_train_mesh, shard_batch, supports_memory_kind, train_rules,
+    trainer_processes,
 )
 from asyncrl.train.optimizer import lr_schedule, make_optimizer
 from asyncrl.train.step import make_train_step
 
 MASTER_DTYPE = jnp.float32
+log = logging.getLogger(__name__)
 
 
 class Trainer:
     """Owns the fp32 master params and AdamW state on the ("dp", "fsdp", "cp") mesh.
 
     `version` is the weight version the current params represent: 0 before any step, +1 per step. A rollout's
-    lag is `version - rollout.oldest_version` at the time it is trained on."""
+    lag is `version - rollout.oldest_version` at the time it is trained on.
+
+    With loss.kl_coef > 0 it also keeps `ref_params`, the KL reference: a copy of the params as `init` or `load`
+    left them (the policy the run starts from), in the compute dtype, on the param shardings or in pinned host
+    memory (train.ref_offload). Restoring a checkpoint does not move it."""
 
     def __init__(self, model: Model, train_cfg: TrainConfig, loss_cfg: LossConfig, sharding_cfg: ShardingConfig,
                  devices: Sequence[jax.Device] | None = None, temperature: float = 1.0):
@@ -60,15 +67,27 @@ class Trainer:
         self.shardings = make_shardings(self.mesh, self.model.param_shardings(self.mesh, MASTER_DTYPE),
                                         self.params_abstract, self.tx, sharding_cfg)
         n_data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
-        micro = train_cfg.train_batch_size // train_cfg.grad_accum_steps
+        k = train_cfg.updates_per_step
+        micro = train_cfg.train_batch_size // (train_cfg.grad_accum_steps * k)
         if micro % n_data:
-            raise ValueError(f"train.train_batch_size / train.grad_accum_steps = {micro} sequences per micro-batch "
-                             f"must divide over the {n_data} data-parallel devices (dp x fsdp)")
+            raise ValueError(f"train.train_batch_size / (train.updates_per_step x train.grad_accum_steps) = {micro} "
+                             f"sequences per micro-batch must divide over the {n_data} data-parallel devices "
+                             "(dp x fsdp)")
         compute = None if train_cfg.compute_dtype == "float32" else jnp.dtype(train_cfg.compute_dtype)
+        self.ref_dtype = compute or MASTER_DTYPE
+        self.ref_shardings, ref_compute = self.shardings.params, None
+        if loss_cfg.kl_coef > 0 and train_cfg.ref_offload:
+            if supports_memory_kind(self.mesh, "pinned_host"):
+                ref_compute = self.shardings.params
+                self.ref_shardings = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), self.shardings.params)
+            else:
+                log.warning("train.ref_offload: devices %s have no pinned_host memory; the KL reference stays in "
+                            "device memory", self.mesh.devices.flat[0].platform)
         self._step_fn = make_train_step(self.model, self.tx, loss_cfg, self.schedule, self.shardings,
                                         train_cfg.grad_accum_steps, temperature, train_cfg.logprob_chunk_size,
-                                        compute)
+                                        compute, k, ref_compute)
         self.params: Params | None = None
+        self.ref_params: Params | None = None
         self.opt_state: Any = None
         self._cast_fns: dict[Any, Any] = {}
         self.step_count = 0
@@ -85,6 +104,7 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             self.params = jax.jit(init, out_shardings=self.shardings.params)(init_key)
         self._init_opt_state()
+        self._keep_reference()
 
     def load(self, params: Params) -> None:
         """Start from given weights (any dtype/placement): cast to fp32 and moved onto the trainer shardings."""
@@ -94,6 +114,16 @@ class Trainer:
         if self.rng is None:
             self.rng = jax.random.key(0)
         self._init_opt_state()
+        self._keep_reference()
+
+    def _keep_reference(self) -> None:
+        """The KL reference: a copy (the step donates `params`) of the params the run starts from."""
+        if self.loss_cfg.kl_coef == 0:
+            return
+        dtype = self.ref_dtype
+        with jax.set_mesh(self.mesh):
+            self.ref_params = jax.jit(lambda p: params_lib.cast(p, dtype),
+                                      out_shardings=self.ref_shardings)(self.params)
 
     def _init_opt_state(self) -> None:
         with jax.set_mesh(self.mesh):
@@ -149,8 +179,12 @@ class Trainer:
         abstract global batch such as `abstract_batch(T)`."""
         state = self.abstract_state()
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.shardings.replicated)
+        ref = None
+        if self.loss_cfg.kl_coef > 0:
+            ref = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, self.ref_dtype, sharding=s),
+                               self.params_abstract, self.ref_shardings)
         with jax.set_mesh(self.mesh):
-            return self._step_fn.lower(state["params"], state["opt_state"], batch, step)
+            return self._step_fn.lower(state["params"], state["opt_state"], batch, step, ref)
 
     def lower_sync_cast(self, dtype: Any, out_sharding: Any) -> jax.stages.Lowered:
         """What precedes every weight sync: the inference-dtype cast, gathered whole onto `out_sharding` (the hop
@@ -167,7 +201,8 @@ class Trainer:
     # ---- training -------------------------------------------------------------------------------------------
 
     def step(self, local_batch: RLBatch, host_metrics: HostMetrics | None = None) -> dict[str, float]:
-        """One optimizer step on this host's share of the batch; every trainer host calls it together.
+        """One step (train.updates_per_step optimizer updates) on this host's share of the batch; every trainer
+        host calls it together.
 
         `host_metrics` (e.g. from `collect_rollouts`) are combined across hosts and merged into the result."""
         self._require_params()
@@ -181,8 +216,10 @@ class Trainer:
             global_batch = shard_batch(local_batch, self.shardings)
             # Committed and replicated on the trainer mesh, like every other input (an uncommitted scalar would be
             # placed on the default device, which need not be one of the mesh's).
-            step = jax.device_put(np.int32(self.step_count), self.shardings.replicated)
-            self.params, self.opt_state, metrics = self._step_fn(self.params, self.opt_state, global_batch, step)
+            update = self.step_count * self.train_cfg.updates_per_step
+            step = jax.device_put(np.int32(update), self.shardings.replicated)
+            self.params, self.opt_state, metrics = self._step_fn(self.params, self.opt_state, global_batch, step,
+                                                                 self.ref_params)
         # Replicated scalars: this host's copy is the global value (a multi-host array is not fully addressable).
         # One device-to-host transfer for all of them.
         host = jax.device_get({k: v.addressable_data(0) for k, v in metrics.items()})

@@ -1,0 +1,121 @@
+"""Batch level: sequence advantages and per-token loss weights, computed on the FULL batch of a step.
+
+Groups and normalisers must not depend on how the batch is split into micro-batches (or mini-batches): the loss
+is `sum(weights * per_token_objective)`, so with weights normalised over a batch the sum of its micro-batch
+losses (and gradients) equals the batch loss.
+
+| name              | advantage                        | default normalisation: weight of a kept token         |
+|-------------------|----------------------------------|-------------------------------------------------------|
+| grpo, gspo(_token)| (r - mean_g) / (std_g + std_eps) | seq_mean:   1 / (len_i * B)   (mean of sequence means)|
+| dapo              | (r - mean_g) / (std_g + std_eps) | token_mean: 1 / total_tokens                          |
+| dr_grpo           | r - mean_g                       | constant:   1 / (B * max_tokens)  (length-unbiased)   |
+| cispo             | r - mean_g                       | token_mean: 1 / total_tokens                          |
+| rloo              | r - (sum_g - r) / (G - 1)        | seq_mean:   1 / (len_i * B)                           |
+
+std_g is the unbiased group std (as `torch.std` in TRL and verl). B counts kept sequences (seq_mean: those with
+at least one loss token). max_tokens is the run's generation budget, a constant: never the batch's padded length,
+which would rescale the gradient with each batch's longest row. `cfg.normalization` overrides the column.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from asyncrl.train.loss_config import LossConfig
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": "group_std",
+    "dapo": "group_std",
+    "gspo": "group_std",
+    "gspo_token": "group_std",
+    "dr_grpo": "group_mean",
+    "cispo": "group_mean",
+    "rloo": "leave_one_out",
+}
+DEFAULT_NORMALIZATION = {
+    "grpo": "seq_mean",
+    "rloo": "seq_mean",
+    "gspo": "seq_mean",
+    "gspo_token": "seq_mean",
+    "dapo": "token_mean",
+    "cispo": "token_mean",
+    "dr_grpo": "constant",
+}
+
+
+def normalization(cfg: LossConfig) -> str:
+    return cfg.normalization or DEFAULT_NORMALIZATION[cfg.name]
+
+
+def check_normalizer(cfg: LossConfig) -> None:
+    """Raise early when 'constant' normalisation has no generation budget to divide by."""
+    if normalization(cfg) == "constant" and cfg.max_tokens is None:
+        raise ValueError(f"loss.max_tokens is unset, but loss.name={cfg.name} normalises by the constant generation "
+                         "budget: set loss.max_tokens (the run config fills it from inference.max_new_tokens, "
+                         "else inference.max_seq_len)")
+
+
+def _same_group(group_ids: jax.Array) -> jax.Array:
+    # A [B, B] comparison instead of segment sums: ids need not be dense, and B (sequences per step) is small.
+    return group_ids[:, None] == group_ids[None, :]  # [B, B]
+
+
+def group_stats(rewards: jax.Array, group_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per sequence, the (mean, unbiased std, size) of its group's rewards; each [B]."""
+    rewards = rewards.astype(jnp.float32)
+    same = _same_group(group_ids).astype(jnp.float32)  # [B, B]
+    # Elementwise sums, not `same @ rewards`: a TPU f32 matmul at default precision rounds through bf16.
+    size = jnp.sum(same, axis=1)
+    mean = jnp.sum(same * rewards[None, :], axis=1) / size
+    sq = jnp.sum(same * (rewards[None, :] - mean[:, None]) ** 2, axis=1)
+    std = jnp.sqrt(sq / jnp.maximum(size - 1.0, 1.0))
+    return mean, std, size
+
+
+def compute_advantages(rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig) -> jax.Array:
+    """Sequence advantages [B] from rewards [B] and group ids [B] (sequences sampled from the same prompt)."""
+    rewards = rewards.astype(jnp.float32)
+    mean, std, size = group_stats(rewards, group_ids)
+    estimator = ADVANTAGE_ESTIMATORS[cfg.name]
+    if estimator == "group_std":
+        return (rewards - mean) / (std + cfg.std_eps)
+    if estimator == "group_mean":
+        return rewards - mean
+    # Leave-one-out: r - mean of the others == G / (G - 1) * (r - mean); a singleton group has no baseline.
+    return jnp.where(size > 1, (rewards - mean) * size / jnp.maximum(size - 1.0, 1.0), 0.0)
+
+
+def keep_sequences(rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig) -> jax.Array:
+    """[B] bool: False for sequences of equal-reward groups when `cfg.filter_zero_variance`, else all True."""
+    if not cfg.filter_zero_variance:
+        return jnp.ones(rewards.shape, bool)
+    same = _same_group(group_ids)
+    hi = jnp.max(jnp.where(same, rewards[None, :], -jnp.inf), axis=1)
+    lo = jnp.min(jnp.where(same, rewards[None, :], jnp.inf), axis=1)
+    return hi > lo
+
+
+def loss_weights(mask: jax.Array, cfg: LossConfig, keep: jax.Array | None = None) -> jax.Array:
+    """Token weights [B, T] normalised over the rows given; see the normalisation table in the module docstring."""
+    m = mask.astype(jnp.float32)  # [B, T]
+    if keep is not None:
+        m = m * keep.astype(jnp.float32)[:, None]
+    mode = normalization(cfg)
+    if mode == "token_mean":
+        return m / jnp.maximum(jnp.sum(m), 1.0)
+    lengths = jnp.sum(m, axis=1)  # [B]
+    if mode == "seq_mean":
+        n_seqs = jnp.sum(lengths > 0)
+        return m / (jnp.maximum(lengths, 1.0) * jnp.maximum(n_seqs, 1))[:, None]
+    check_normalizer(cfg)
+    n_seqs = m.shape[0] if keep is None else jnp.sum(keep)
+    return m / (jnp.maximum(n_seqs, 1) * cfg.max_tokens)
+
+
+def prepare_loss_inputs(
+    rewards: jax.Array, group_ids: jax.Array, mask: jax.Array, cfg: LossConfig
+) -> tuple[jax.Array, jax.Array]:
+    """(advantages [B], weights [B, T]) for the full batch of one optimizer step."""
+    keep = keep_sequences(rewards, group_ids, cfg)
+    return compute_advantages(rewards, group_ids, cfg), loss_weights(mask, cfg, keep)
