@@ -157,3 +157,22 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_pending_answers_are_bounded_and_a_blocked_submit_names_the_pool():
+    """With its one worker stuck on a 'hang' answer, the pool holds max_pending answers; one more submit waits
+    submit_timeout_s and fails with a message instead of queueing without bound."""
+    cfg = VerifierConfig(workers=1, timeout_s=30.0, max_pending=2, submit_timeout_s=0.5)
+    with Verifier(CrashingTask(), cfg) as v:
+        first = v.submit("hang", _sample("x"))
+        deadline = time.time() + 60
+        while not first.running() and time.time() < deadline:  # the worker has taken it
+            time.sleep(0.05)
+        assert first.running()
+        queued = [v.submit("a", _sample("a", i)) for i in range(2)]  # fills max_pending
+        t0 = time.time()
+        with pytest.raises(TimeoutError, match=r"2 answers pending \(task.verifier.max_pending=2\) for 0.5s; the 1 "
+                                               r"grading workers are not keeping up or are stuck"):
+            v.submit("a", _sample("a", 9))
+        assert 0.4 < time.time() - t0 < 10
+        assert not any(f.done() for f in queued)

@@ -163,9 +163,12 @@ class Feeder:
         for pos in self._redo:
             self._release(pos, wanted[pos], new=False)
         self._redo = []
+        last_drain = 0.0
         for sample in it:
             while not self.stop.is_set():
-                self.drain_remote()
+                if time.monotonic() - last_drain > 0.1:  # a queue round trip: not on every 20 ms poll
+                    self.drain_remote()
+                    last_drain = time.monotonic()
                 with self.lock:
                     ok = self.position < self.allowed()
                 if ok:

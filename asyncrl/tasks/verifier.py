@@ -185,7 +185,7 @@ class Verifier:
             if not self._room.wait_for(lambda: len(self._pending) < self.cfg.max_pending or self._closed
                                        or self._fatal is not None, timeout=self.cfg.submit_timeout_s):
                 raise TimeoutError(f"Verifier: {len(self._pending)} answers pending (task.verifier.max_pending="
-                                   f"{self.cfg.max_pending}) for {self.cfg.submit_timeout_s:.0f}s; the {self.cfg.workers} "
+                                   f"{self.cfg.max_pending}) for {self.cfg.submit_timeout_s:g}s; the {self.cfg.workers} "
                                    "grading workers are not keeping up or are stuck")
             if self._closed:
                 raise RuntimeError("Verifier.submit after close()")
