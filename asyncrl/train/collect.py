@@ -26,10 +26,9 @@ from typing import Callable
 import numpy as np
 
 from asyncrl.inference.rollout import Rollout
+from asyncrl.train.batch import HostMetrics
 
 log = logging.getLogger(__name__)
-
-HostMetrics = dict[str, float]
 
 
 class RolloutTimeout(TimeoutError):
