@@ -174,9 +174,26 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
                     raise HostFailure(rank, role, res.error.strip().splitlines()[0] if res.error else "unknown error",
                                       res.error)
                 if rank == 0:  # its rows were drained just above, after it had returned
+                    _report_late_failures(refs, info, tw)
                     return res.info
     finally:
         _teardown(actors, queues, pg, info)
+
+
+def _report_late_failures(refs: dict[Any, int], info: list[dict[str, Any]], tw: int) -> None:
+    """The trainer finished: a host that died meanwhile did not stop the run, but it is said, not swallowed."""
+    if not refs:
+        return
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    for ref in ready:
+        rank = refs[ref]
+        try:
+            res = ray.get(ref)
+            err = None if res.ok else (res.error.strip().splitlines()[0] if res.error else "unknown error")
+        except ray.exceptions.RayActorError as e:
+            err = f"actor died ({type(e).__name__}); pid {info[rank]['pid']} on {info[rank]['host']}"
+        if err:
+            log.warning("host %d (%s) failed after the trainer's last step needed it: %s", rank, role_of(rank, tw), err)
 
 
 def _dump_stacks(actors: list[Any], info: list[dict[str, Any]], run_dir: str) -> None:
