@@ -1,24 +1,24 @@
-"""Weight-sync throughput: the cross-host `device_put` hop chain (`HopChainTransfer`) against a plain loopback
-TCP socket copy of the same number of bytes, measured in the same run.
+"""Weight-sync throughput: the cross-host `device_put` hop chain (`HopChainTransfer`) over 2 to 6 processes, store-and-
+forward (`bucket_mb=0`) and pipelined (`--bucket-mb`), against a plain loopback TCP socket copy of the same number
+of bytes, all measured in the same run.
 
-For each model (tiny and SmolLM2-135M presets, random init, bf16) the script spawns:
-  * 2 hop-chain processes (one device each, CPU backend, gloo collectives, `jax.distributed` on 127.0.0.1):
-    rank 0 is the trainer (slot 0) and builds the bf16 tree replicated on `hc.meshes[0]`; rank 1 receives it
-    from `params_lib.shapes(cfg, bfloat16)`. One warm-up transfer, then `--repeats` timed ones.
-  * 2 socket processes: one `sendall`s a bytes buffer of the same total size over 127.0.0.1, the other
-    `recv_into`s it fully and answers with a 1-byte ack. The sender times send + ack. Same warm-up and repeats.
+For each model (tiny and SmolLM2-135M presets, random init, bf16) and each layout (processes x devices each:
+2x1, 3x1, 4x1, 6x1, 3x2), the script spawns the processes (CPU backend, gloo collectives, `jax.distributed` on
+127.0.0.1, one trainer, the rest receivers in a chain of hops). Rank 0 builds the bf16 tree replicated on
+`hc.meshes[0]`; the others receive it from `params_lib.shapes(cfg, bfloat16)`. One warm-up transfer, then
+`--repeats` timed ones. The socket baseline: one process `sendall`s a bytes buffer of the model's size over
+127.0.0.1, the other `recv_into`s it fully and answers with a 1-byte ack; the sender times send + ack.
 
-Reported per model: the median `weight_sync_s` (whole collective incl. its start/end barriers, as the trainer
-sees it) and the receiver's `weight_sync_hops_s` (from the start barrier until it holds the tree; the
-trainer's own hops_s only covers its asynchronous enqueue) of the timed transfers, the median socket copy time, MB/s
-(1 MB = 1e6 bytes) for both, and ratio = socket MB/s / hop-chain MB/s (how many times faster the raw socket is).
-The machine is shared (2 cores): only ratios within one run mean much.
+Reported per row: the median `weight_sync_s` on the trainer (the whole collective, start barrier to end barrier,
+so until the last receiver holds the tree), MB/s (model bytes / that time; 1 MB = 1e6 bytes), ratio = hop-chain
+time / socket time, and the time against 2 processes of the same variant. The simulated hosts share this
+machine's cores: a chain of N processes does N - 1 transfers' worth of socket copying on them, so the scaling
+columns show the machine as much as the chain (benchmarks/README.md discusses it).
 
     PYTHONPATH=. .venv/bin/python benchmarks/weight_sync.py [--models tiny smollm2-135m] [--repeats 3]
-        [--timeout 600]
+        [--layouts 2x1 3x1 4x1 6x1 3x2] [--bucket-mb 16] [--timeout 600]
 
-Writes benchmarks/results/weight_sync.json. Progress goes to stderr. Each process has one device (the simplest
-hop; multi-device hosts are covered by tests/test_weight_sync.py).
+Writes benchmarks/results/weight_sync.json. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def emit(obj: dict) -> None:
 # ----------------------------------------------------------------------------------------------- workers
 
 
-def worker_hop(rank: int, n: int, port: int, model: str, repeats: int) -> None:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+def worker_hop(rank: int, n: int, port: int, model: str, repeats: int, ndev: int, bucket_mb: float) -> None:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, str(ROOT))
     import jax
@@ -74,8 +74,8 @@ def worker_hop(rank: int, n: int, port: int, model: str, repeats: int) -> None:
     from asyncrl.models import params as params_lib, preset
 
     cfg = preset(model)
-    hc = HopChainTransfer(1)
-    assert jax.local_device_count() == 1, jax.local_devices()
+    hc = HopChainTransfer(1, bucket_mb=bucket_mb)
+    assert jax.local_device_count() == ndev, jax.local_devices()
     shapes = params_lib.shapes(cfg, jnp.bfloat16)
     init = lambda k: params_lib.cast(params_lib.init_params(cfg, k, jnp.float32), jnp.bfloat16)  # noqa: E731
     tree = None
@@ -91,11 +91,12 @@ def worker_hop(rank: int, n: int, port: int, model: str, repeats: int) -> None:
         log(f"{model} rank {rank} transfer {i}{' (warm-up)' if i == 0 else ''}: "
             f"{t['weight_sync_s']:.3f}s (hops {t['weight_sync_hops_s']:.3f}s)")
     # Sanity: the receiver holds every leaf with the right shape/dtype, one addressable shard each.
-    ok = all(o.shape == s.shape and o.dtype == s.dtype and len(o.addressable_shards) == 1
-             for o, s in zip(jax.tree.leaves(out), jax.tree.leaves(shapes)))
+    ok = True if out is None else all(o.shape == s.shape and o.dtype == s.dtype and len(o.addressable_shards) == ndev
+                                      for o, s in zip(jax.tree.leaves(out), jax.tree.leaves(shapes)))
     # Cheap content check: a checksum of the final norm + first layer leaf, compared across ranks by the parent.
-    leaves = jax.tree.leaves(out)
-    checksum = float(sum(np.asarray(jax.device_get(x), dtype=np.float64).sum() for x in (leaves[0], leaves[-1])))
+    leaves = jax.tree.leaves(out if out is not None else tree)
+    checksum = float(sum(np.asarray(x.addressable_shards[0].data, dtype=np.float64).sum()
+                         for x in (leaves[0], leaves[-1])))
     emit({"kind": "hop", "rank": rank, "slot": hc.slot, "ok": bool(ok), "leaves": len(leaves),
           "checksum": checksum, "timings": timings})
 
@@ -187,16 +188,7 @@ def run_workers(argvs: list[list[str]], timeout: float, label: str) -> list[dict
     return [json.loads(line[len("RESULT "):]) for o in outs for line in o.splitlines() if line.startswith("RESULT ")]
 
 
-def bench_model(model: str, repeats: int, timeout: float) -> dict:
-    log(f"{model}: hop chain, 2 processes x 1 device")
-    port = free_port()
-    hop = run_workers([["hop", str(r), "2", str(port), model, str(repeats)] for r in range(2)], timeout,
-                      f"{model} hop chain")
-    hop = sorted(hop, key=lambda r: r["rank"])
-    assert len(hop) == 2 and all(r["ok"] for r in hop), hop
-    assert hop[0]["checksum"] == hop[1]["checksum"], ("receiver checksum differs", hop)
-    nbytes = int(hop[0]["timings"][0]["weight_sync_bytes"])
-
+def socket_baseline(model: str, nbytes: int, repeats: int, timeout: float) -> float:
     log(f"{model}: loopback socket, {nbytes} bytes")
     sport = free_port()
     sock = run_workers([["sock_recv", str(sport), str(nbytes), str(repeats)],
@@ -204,25 +196,23 @@ def bench_model(model: str, repeats: int, timeout: float) -> dict:
     recv = next(r for r in sock if r["kind"] == "sock_recv")
     send = next(r for r in sock if r["kind"] == "sock_send")
     assert recv["ok"] and recv["head"] == send["head"] and recv["tail"] == send["tail"], (recv, send)
+    return statistics.median(send["send_s"][1:])
 
-    def med(rank: int, key: str) -> float:
-        return statistics.median(t[key] for t in hop[rank]["timings"][1:])
 
-    hop_s = med(0, "weight_sync_s")  # the trainer's view of the whole collective (ends with a barrier)
-    hops_s = med(0, "weight_sync_hops_s")
-    recv_hops_s = med(1, "weight_sync_hops_s")  # receiver: from the start barrier to holding the tree
-    sock_s = statistics.median(send["send_s"][1:])
-    mbs = lambda s: nbytes / s / 1e6  # noqa: E731
-    return {
-        "model": model, "bytes": nbytes, "leaves": hop[0]["leaves"], "repeats": repeats,
-        "hop_chain_s": hop_s, "hop_chain_MBps": mbs(hop_s),
-        "hop_chain_hops_s": hops_s, "hop_chain_hops_MBps": mbs(hops_s),
-        "receiver_hops_s": recv_hops_s, "receiver_hops_MBps": mbs(recv_hops_s),
-        "socket_s": sock_s, "socket_MBps": mbs(sock_s),
-        "ratio_socket_over_hop_chain": hop_s / sock_s,
-        "hop_chain_timings": {f"rank{r['rank']}": r["timings"] for r in hop},  # [0] is the warm-up
-        "socket_send_s": send["send_s"], "socket_recv_s": recv["recv_s"],  # [0] is the warm-up
-    }
+def bench_chain(model: str, n: int, ndev: int, bucket_mb: float, repeats: int, timeout: float) -> dict:
+    log(f"{model}: hop chain, {n} processes x {ndev} devices, bucket_mb={bucket_mb:g}")
+    port = free_port()
+    hop = run_workers([["hop", str(r), str(n), str(port), model, str(repeats), str(ndev), str(bucket_mb)]
+                       for r in range(n)], timeout, f"{model} hop chain {n}x{ndev}")
+    hop = sorted(hop, key=lambda r: r["rank"])
+    assert len(hop) == n and all(r["ok"] for r in hop), hop
+    assert len({r["checksum"] for r in hop}) == 1, ("a receiver's checksum differs", hop)
+    med = lambda rank, key: statistics.median(t[key] for t in hop[rank]["timings"][1:])  # noqa: E731
+    return {"model": model, "processes": n, "devices_per_process": ndev, "bucket_mb": bucket_mb,
+            "bytes": int(hop[0]["timings"][0]["weight_sync_bytes"]), "leaves": hop[0]["leaves"],
+            "buckets": int(hop[0]["timings"][0]["weight_sync_buckets"]),
+            "seconds": med(0, "weight_sync_s"), "last_receiver_hops_s": med(n - 1, "weight_sync_hops_s"),
+            "timings": {f"rank{r['rank']}": r["timings"] for r in hop}}  # [0] is the warm-up
 
 
 def main() -> None:
@@ -230,7 +220,7 @@ def main() -> None:
         kind, args = sys.argv[2], sys.argv[3:]
         if kind == "hop":
             rank, n, port, model, repeats = int(args[0]), int(args[1]), int(args[2]), args[3], int(args[4])
-            worker_hop(rank, n, port, model, repeats)
+            worker_hop(rank, n, port, model, repeats, int(args[5]), float(args[6]))
         elif kind == "sock_recv":
             worker_sock_recv(int(args[0]), int(args[1]), int(args[2]))
         elif kind == "sock_send":
@@ -241,34 +231,46 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m"])
+    ap.add_argument("--layouts", nargs="+", default=["2x1", "3x1", "4x1", "6x1", "3x2"],
+                    help="processes x devices per process")
+    ap.add_argument("--bucket-mb", type=float, default=16.0, help="the pipelined variant's weightsync.bucket_mb")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per group of worker processes")
     a = ap.parse_args()
+    load0 = os.getloadavg()
+    layouts = [tuple(int(x) for x in lay.split("x")) for lay in a.layouts]
+    variants = [("store-and-forward", 0.0), ("pipelined", a.bucket_mb)]
+    rows = []
+    for model in a.models:
+        for n, ndev in layouts:
+            for name, mb in variants:
+                rows.append({"variant": name, **bench_chain(model, n, ndev, mb, a.repeats, a.timeout)})
+        sock_s = socket_baseline(model, rows[-1]["bytes"], a.repeats, a.timeout)
+        for r in rows:
+            if r["model"] == model:
+                base = next(b for b in rows if b["model"] == model and b["variant"] == r["variant"]
+                            and (b["processes"], b["devices_per_process"]) == (2, 1))
+                r |= {"MBps": r["bytes"] / r["seconds"] / 1e6, "socket_s": sock_s,
+                      "socket_MBps": r["bytes"] / sock_s / 1e6, "ratio_to_socket": r["seconds"] / sock_s,
+                      "vs_2_processes": r["seconds"] / base["seconds"]}
 
-    rows = [bench_model(m, a.repeats, a.timeout) for m in a.models]
-
-    hdr = (f"{'model':<14}{'bytes':>12}{'hop-chain s':>13}{'hop MB/s':>11}{'hops-only s':>13}"
-           f"{'socket s':>10}{'socket MB/s':>13}{'ratio':>8}")
+    hdr = (f"{'model':<14}{'layout':>7}{'variant':>19}{'buckets':>8}{'seconds':>9}{'MB/s':>8}{'socket s':>10}"
+           f"{'x socket':>9}{'vs 2 procs':>11}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['model']:<14}{r['bytes']:>12}{r['hop_chain_s']:>13.4f}{r['hop_chain_MBps']:>11.1f}"
-              f"{r['receiver_hops_s']:>13.4f}{r['socket_s']:>10.4f}{r['socket_MBps']:>13.1f}"
-              f"{r['ratio_socket_over_hop_chain']:>7.2f}x")
-    print("\nhop-chain s = median weight_sync_s on the trainer (incl. start/end barriers); hops-only s = median "
-          "weight_sync_hops_s on the receiver (the trainer's own is only its async enqueue); ratio = socket MB/s / hop-chain MB/s. Timing dicts (warm-up first) in the JSON.")
-    for r in rows:
-        for rank, ts in r["hop_chain_timings"].items():
-            last = {k: round(v, 4) for k, v in ts[-1].items()}
-            print(f"  {r['model']} {rank} last transfer: {last}")
-
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    out = {"setup": {"models": a.models, "repeats": a.repeats, "processes": 2, "devices_per_process": 1,
+        print(f"{r['model']:<14}{str(r['processes']) + 'x' + str(r['devices_per_process']):>7}{r['variant']:>19}"
+              f"{r['buckets']:>8}{r['seconds']:>9.4f}{r['MBps']:>8.0f}{r['socket_s']:>10.4f}"
+              f"{r['ratio_to_socket']:>8.2f}x{r['vs_2_processes']:>10.2f}x")
+    load1 = os.getloadavg()
+    print(f"\nseconds = median weight_sync_s on the trainer (start barrier to end barrier: until the last receiver "
+          f"holds the tree); x socket = seconds / loopback socket seconds for the same bytes; vs 2 procs = seconds / "
+          f"the same variant's 2x1 seconds. Load average {load0[0]:.2f} at start, {load1[0]:.2f} at end, "
+          f"{os.cpu_count()} CPUs.")
+    out = {"setup": {"models": a.models, "layouts": a.layouts, "bucket_mb": a.bucket_mb, "repeats": a.repeats,
                      "backend": "cpu (gloo collectives, cross-host transfer socket)", "dtype": "bfloat16",
-                     "cpus": os.cpu_count(), "loadavg_end": load, "python": platform.python_version()},
+                     "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1,
+                     "python": platform.python_version()},
            "results": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "weight_sync.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -15,6 +15,7 @@ from asyncrl.orchestration.feeder import Feeder, FeederError
 from asyncrl.orchestration.inference_worker import InferenceWorker
 from asyncrl.orchestration.trainer_worker import TrainerWorker
 from asyncrl.train.collect import RolloutTimeout, collect_rollouts
+from asyncrl.weightsync.config import WeightSyncConfig
 
 
 class FakeQueue:
@@ -348,15 +349,27 @@ def test_eval_pending_at_the_final_step_is_kept(tmp_path):
                 r = float(item.position % 2 == 0)
                 results.put(group(item.position, item.eval_round, [r, r], item.eval_round))
 
+    class Sync:  # the weight sync of the step, still in flight (weightsync.overlap)
+        def __init__(self):
+            self.pending_when_done = "never waited"
+
+        def wait(self, timeout_s):
+            self.pending_when_done = ev.pending  # the eval round out when the sync landed
+            return {"weight_sync_s": 0.5}
+
     tw = TrainerWorker.__new__(TrainerWorker)
-    tw.evals = ev
+    tw.evals, tw._sync, tw._sync_m, tw._eval_blocked_s = ev, None, {}, 0.0
+    tw.cfg = type("C", (), {"weightsync": WeightSyncConfig()})()
     ev.launch(0, 0)
     t = threading.Thread(target=serve, daemon=True)
     assert tw._evals_at(1, 4, every=2) == {}  # round 0 not back yet (nothing serves): nothing to record
     t.start()
     assert wait_until(ev.ready)
+    tw._sync = sync = Sync()
     row2 = tw._evals_at(2, 4, every=2)  # collects round 0, launches round 2
     assert row2["eval/at_step"] == 0 and ev.pending[0] == 2
+    # Round 2 went out only once step 2's weights had landed: an eval at step k runs with the weights of step k.
+    assert sync.pending_when_done is None and tw._sync is None and tw._sync_m == {"weight_sync_s": 0.5}
     row4 = tw._evals_at(4, 4, every=2)  # final step: round 2 is still pending -> waited for and recorded
     stop.set()
     assert row4["eval/at_step"] == 4 and row4["eval/prompts"] == 3
@@ -514,3 +527,78 @@ def test_straggler_wait_is_bounded():
     assert len(kept) == 3 and len(pool) == 1  # the 4th group is carried to the next step
     kept, m = collect_rollouts(q.poll, 1, 1, 1, timeout_s=30, poll_s=0.05, pool=pool, urgent=lambda: set())
     assert [r.sample[0] for r in kept] == [3] and not pool
+
+
+# ---- the trainer's side of the weight sync (weightsync.overlap) -------------------------------------------------
+
+def _sync_worker(overlap: bool):
+    from asyncrl.weightsync.transfer import PendingSync
+
+    class Transfer:  # the hop chain's interface; each sync holds until the test releases it
+        def __init__(self):
+            self.releases, self.sent = [], []
+
+        def start(self, tree, on_done):
+            release = threading.Event()
+            self.releases.append(release)
+            self.sent.append(tree)
+
+            def target():
+                assert release.wait(10), "never released"
+                on_done()
+                return {"weight_sync_s": 1.0 + len(self.sent)}
+            return PendingSync(target, f"sync-{len(self.sent)}")
+
+    synced = []
+    tw = TrainerWorker.__new__(TrainerWorker)
+    tw.cfg = SimpleNamespace(weightsync=WeightSyncConfig(overlap=overlap))
+    tw.rank, tw.run_dir, tw.inference_hosts, tw.infer_dtype = 1, "", 1, None  # rank 1: no queue signals to send
+    tw.trainer = SimpleNamespace(version=0, step_count=0, params_for_inference=lambda dtype: f"copy of v{tw.trainer.version}")
+    tw.feeder = SimpleNamespace(set_synced=synced.append)
+    tw.transfer, tw._sync, tw._sync_m = Transfer(), None, {}
+    return tw, synced
+
+
+def test_overlapped_sync_lets_the_trainer_go_on_until_the_next_sync_is_due():
+    tw, synced = _sync_worker(overlap=True)
+    m = tw.sync_weights()  # returns with the chain still running: the trainer's next step starts at once
+    assert tw.transfer.sent == ["copy of v0"] and synced == [] and set(m) == {"weight_sync/trainer_blocked_s"}
+    tw.trainer.version = 1
+    out = {}
+    second = threading.Thread(target=lambda: out.update(tw.sync_weights()))
+    second.start()  # the next sync is due before the first landed: it waits for it (the double buffer's bound)
+    second.join(0.3)
+    assert second.is_alive() and tw.transfer.sent == ["copy of v0"]
+    tw.transfer.releases[0].set()
+    second.join(5)
+    assert not second.is_alive()
+    assert synced == [0] and tw.transfer.sent == ["copy of v0", "copy of v1"]
+    assert out["weight_sync_s"] == 2.0  # the row carries the last finished sync's timings ...
+    assert out["weight_sync/trainer_blocked_s"] >= 0.3  # ... and the time this call really held the trainer
+    tw.transfer.releases[1].set()
+    assert tw._await_sync() >= 0 and synced == [0, 1] and tw._sync is None
+
+
+def test_sync_without_overlap_blocks_until_the_weights_landed():
+    tw, synced = _sync_worker(overlap=False)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (tw.sync_weights(), done.set()))
+    t.start()
+    assert not done.wait(0.3)  # held while the chain runs
+    tw.transfer.releases[0].set()
+    assert done.wait(5) and synced == [0]
+
+
+def test_a_failed_sync_is_raised_on_the_trainer():
+    tw, _ = _sync_worker(overlap=True)
+
+    def broken(tree, on_done):
+        from asyncrl.weightsync.transfer import PendingSync
+
+        def target():
+            raise RuntimeError("weight sync #3: hop 1 (slot 1 -> slot 2) failed on bucket 2/5")
+        return PendingSync(target, "sync")
+    tw.transfer.start = broken
+    tw.sync_weights()
+    with pytest.raises(RuntimeError, match="hop 1 .* bucket 2/5"):
+        tw.sync_weights()

@@ -1,13 +1,23 @@
-"""Weight sync over the cross-host device_put hop chain: receivers get the trainer's cast params bit for bit."""
+"""Weight sync over the pipelined cross-host device_put hop chain: receivers get the trainer's cast params bit for
+bit, whatever the bucket size, and the hops really overlap."""
 
 import os
 import socket
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from asyncrl.models import params as params_lib, preset
+from asyncrl.weightsync.transfer import plan_buckets
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+TINY_BYTES = 213_760  # the tiny preset in bf16 (checked below), so the bucket sizes mean what they say
+SMALLER_THAN_A_LEAF = 0.001  # MB: 1000 bytes, below every leaf but the norms; cuts leaves into row ranges
+LARGER_THAN_THE_MODEL = 100.0  # MB: one bucket
 
 
 def _port() -> int:
@@ -16,11 +26,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(n: int, tw: int, ndev: int = 2) -> list[str]:
+def _run(n: int, tw: int, ndev: int = 2, bucket_mb: float = 64.0, events: str = "", delay: float = 0.0) -> list[str]:
     port = _port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "weightsync_worker.py"), str(r), str(n), str(port),
-                               str(tw), str(ndev)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                               str(tw), str(ndev), str(bucket_mb), events, str(delay)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for r in range(n)]
     outs = []
     try:
@@ -34,18 +45,91 @@ def _run(n: int, tw: int, ndev: int = 2) -> list[str]:
     return [line for o in outs for line in o.splitlines() if line.startswith("RESULT")]
 
 
+def _shapes():
+    return jax.tree.leaves(params_lib.shapes(preset("tiny"), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("bucket_mb", [0, SMALLER_THAN_A_LEAF, 0.01, 0.05, LARGER_THAN_THE_MODEL])
+def test_plan_buckets_cover_every_byte_once_within_the_bound(bucket_mb):
+    shapes = _shapes()
+    assert sum(int(np.prod(s.shape)) * 2 for s in shapes) == TINY_BYTES
+    limit = int(bucket_mb * 1e6)
+    buckets = plan_buckets(shapes, limit)
+    rows = {i: [] for i in range(len(shapes))}
+    for b in buckets:
+        assert b, "empty bucket"
+        if limit > 0 and len(b) > 1:
+            assert sum(p.nbytes for p in b) <= limit
+        for p in b:
+            rows[p.leaf].append((p.start, p.stop))
+            assert p.shape[1:] == tuple(shapes[p.leaf].shape[1:]) and p.dtype == shapes[p.leaf].dtype
+    for i, s in enumerate(shapes):  # consecutive row ranges that tile each leaf exactly
+        n = s.shape[0] if s.shape else 1
+        assert [a for a, _ in rows[i]] == [0] + [b for _, b in rows[i][:-1]] and rows[i][-1][1] == n
+    if bucket_mb in (0, LARGER_THAN_THE_MODEL):
+        assert len(buckets) == 1 and all(p.whole for p in buckets[0])
+    if bucket_mb == SMALLER_THAN_A_LEAF:
+        assert any(not p.whole for b in buckets for p in b) and len(buckets) > len(shapes)
+
+
+def test_plan_buckets_keep_a_row_larger_than_the_bucket_whole():
+    s = jax.ShapeDtypeStruct((3, 1000), jnp.float32)  # 4000-byte rows
+    buckets = plan_buckets([s], 1000)
+    assert [[(p.start, p.stop) for p in b] for b in buckets] == [[(0, 1)], [(1, 2)], [(2, 3)]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n,tw,ndev", [(3, 1, 1), (4, 2, 1), (4, 1, 1), (3, 1, 2), (4, 2, 2)])
-def test_hop_chain_bit_exact(n, tw, ndev):
-    results = _run(n, tw, ndev)
+@pytest.mark.parametrize("bucket_mb", [SMALLER_THAN_A_LEAF, LARGER_THAN_THE_MODEL])
+def test_hop_chain_bit_exact(n, tw, ndev, bucket_mb):
+    results = _run(n, tw, ndev, bucket_mb)
     assert len(results) == 2 * n, results
     assert all("ok=True" in r for r in results), results
     # every slot took part: slot 0 (trainers) and slots 1.. (receivers)
     assert {r.split()[2] for r in results} == {f"slot={s}" for s in range(n // tw)}
+    assert all(f"buckets={35 if bucket_mb == SMALLER_THAN_A_LEAF else 1}" in r for r in results), results
 
 
 @pytest.mark.parametrize("ndev", [1, 2])
 def test_hop_chain_two_processes_quick(ndev):
-    """ndev=2: every slot is a 2-device mesh, so each replicated leaf moves as 2 shards per hop."""
-    results = _run(2, 1, ndev=ndev)
+    """ndev=2: every slot is a 2-device mesh, so each replicated leaf moves as 2 shards per hop. Buckets smaller
+    than a leaf: leaves travel cut into row ranges and are put back together bit for bit."""
+    results = _run(2, 1, ndev=ndev, bucket_mb=SMALLER_THAN_A_LEAF)
     assert len(results) == 4 and all("ok=True" in r for r in results), results
+
+
+@pytest.mark.slow
+def test_hop_chain_pipelines_buckets_over_four_receivers(tmp_path):
+    """5 processes (1 trainer, 4 receivers), 8 buckets, a delay before every bucket a slot sends. Store-and-forward
+    would have the last receiver hold nothing before the first receiver held everything; a pipelined chain has
+    the last receiver hold bucket 0 while the trainer is still sending. Asserted on the global order of events
+    (lines appended to one file), not on wall time."""
+    events = str(tmp_path / "events.txt")
+    bucket_mb = 0.03  # the tiny preset's 214 kB in 9 buckets
+    n_b = len(plan_buckets(_shapes(), int(bucket_mb * 1e6)))
+    assert n_b >= 8
+    results = _run(5, 1, ndev=1, bucket_mb=bucket_mb, events=events, delay=0.3)
+    assert len(results) == 5 and all("ok=True" in r for r in results), results
+    lines = open(events).read().splitlines()
+    pos = {(ln.split()[0], ln.split()[1], ln.split()[3]): k for k, ln in enumerate(lines)}
+    ev = lambda kind, slot, b: pos[(kind, f"slot={slot}", f"bucket={b}")]  # noqa: E731
+    for slot in range(1, 5):  # every receiver holds every bucket, in order
+        assert [ev("recv", slot, b) for b in range(n_b)] == sorted(ev("recv", slot, b) for b in range(n_b))
+    for slot in range(1, 4):  # each forwarder sends bucket b on only after holding it
+        assert all(ev("send", slot, b) > ev("recv", slot, b) for b in range(n_b))
+    # The pipelining: the last receiver held bucket 0 before the first forwarder had received the last bucket, and
+    # each forwarder sent bucket 0 on before it had received the last one; store-and-forward gives the reverse order.
+    # (Not compared with the trainer's own sends: nothing throttles those.)
+    assert ev("recv", 4, 0) < ev("recv", 1, n_b - 1)
+    for slot in range(1, 4):
+        assert ev("send", slot, 0) < ev("recv", slot, n_b - 1)
+    # With 9 buckets and 4 hops, every hop was busy at once: at some point in the file, each of the 4 hops has
+    # sent a bucket that its receiver has not yet got.
+    in_flight = [0] * 4
+    busiest = 0
+    for ln in lines:
+        kind, slot, _, _, hop = ln.split()
+        h = int(hop.split("=")[1])
+        in_flight[h] += 1 if kind == "send" else -1
+        busiest = max(busiest, sum(1 for x in in_flight if x > 0))
+    assert busiest == 4, lines

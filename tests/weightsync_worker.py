@@ -4,6 +4,9 @@ import os
 import sys
 
 rank, n, port, tw, ndev = (int(a) for a in sys.argv[1:6])
+bucket_mb = float(sys.argv[6]) if len(sys.argv) > 6 else 64.0
+events = sys.argv[7] if len(sys.argv) > 7 else ""  # a file shared by every process: one O_APPEND line per event
+delay = float(sys.argv[8]) if len(sys.argv) > 8 else 0.0
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,16 +25,31 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=rank
 from asyncrl.models import Model, params as params_lib, preset  # noqa: E402
 
 model = Model(preset("tiny"))
-hc = HopChainTransfer(tw)
+
+
+def log_event(kind, bucket, hop):
+    # One write() per line on an O_APPEND file: the file's line order is the global order of the events.
+    fd = os.open(events, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, f"{kind} slot={hc.slot} rank={rank} bucket={bucket} hop={hop}\n".encode())
+    finally:
+        os.close(fd)
+
+
+hc = HopChainTransfer(tw, bucket_mb=bucket_mb, hop_delay_s=delay, on_event=log_event if events else None)
 init = lambda k: params_lib.cast(params_lib.init_params(model.cfg, k, jnp.float32), jnp.bfloat16)  # noqa: E731
 shapes = params_lib.shapes(model.cfg, jnp.bfloat16)
-for round_ in range(2):  # two syncs: the second reuses the compiled hops and must deliver the new values
+for round_ in range(1 if events else 2):  # two syncs: the second reuses the compiled hops and must deliver the new values
     key = jax.random.PRNGKey(round_)
     if hc.slot == 0:  # trainers: a global array over the trainer slot (spans tw processes)
         tree = jax.jit(init, out_shardings=jax.tree.map(lambda _: NamedSharding(hc.meshes[0], P()), shapes))(key)
         out, t = hc.transfer(tree)
     else:
         out, t = hc.transfer(None, shapes)
+    if hc.slot == 0:  # the trainers keep their own copy; the chain returns nothing to them
+        print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={out is None} bytes={int(t['weight_sync_bytes'])} "
+              f"buckets={int(t['weight_sync_buckets'])}", flush=True)
+        continue
     expected = jax.device_get(jax.jit(init, device=jax.local_devices()[0])(key))  # same values, computed locally
     ok = True
     for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
@@ -40,4 +58,5 @@ for round_ in range(2):  # two syncs: the second reuses the compiled hops and mu
         for s in shards:
             ok &= np.asarray(s.data).dtype == want.dtype and np.array_equal(
                 np.asarray(s.data).view(np.uint16), np.asarray(want).view(np.uint16))
-    print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={bool(ok)} bytes={int(t['weight_sync_bytes'])}", flush=True)
+    print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={bool(ok)} bytes={int(t['weight_sync_bytes'])} "
+          f"buckets={int(t['weight_sync_buckets'])}", flush=True)

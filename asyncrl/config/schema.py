@@ -12,6 +12,7 @@ from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConf
 from asyncrl.tasks.config import TaskConfig
 from asyncrl.train.config import ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
+from asyncrl.weightsync.config import WeightSyncConfig
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self) -> None:
         if self.loss.max_tokens is None:

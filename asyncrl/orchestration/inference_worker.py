@@ -211,7 +211,8 @@ class InferenceWorker:
         self.tokenizer = load_tokenizer(cfg.model, self.run_dir)
         self.task = build_task(cfg.task)
         self.verifier = Verifier(self.task, cfg.task.verifier)
-        self.transfer = HopChainTransfer(cfg.async_.train_workers, jax.devices())
+        self.transfer = HopChainTransfer(cfg.async_.train_workers, jax.devices(), bucket_mb=cfg.weightsync.bucket_mb,
+                                         timeout_s=cfg.weightsync.timeout_s)
         self.shapes = params_lib.shapes(mcfg, jnp.dtype(cfg.inference.params_dtype))
         self.replicas: ReplicaSet | None = None
         monitor = threading.Thread(target=self._monitor, name="weight-sync-monitor", daemon=True)

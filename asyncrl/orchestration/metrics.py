@@ -104,7 +104,8 @@ class MetricsSink:
             lines.append(f"{'eval reward before RL':<28}{evals[0][1]:>16.3f}  (step {evals[0][0]})")
             lines.append(f"{'eval reward after RL':<28}{evals[-1][1]:>16.3f}  (step {evals[-1][0]})")
         for key in ("eval/pass@1", "rollout/reward_mean", "train/loss", "rollout/lag_max", "rollout/filtered_lag",
-                    "weight_sync_s", "train/tokens_per_s", "inference/decode_tokens_per_s", "rollout/queue_wait_s_max"):
+                    "weight_sync_s", "weight_sync/trainer_blocked_s", "train/tokens_per_s",
+                    "inference/decode_tokens_per_s", "rollout/queue_wait_s_max"):
             vals = [r[key] for r in self.rows if _finite(r.get(key))]
             if vals:
                 lines.append(f"{key:<28}{vals[-1]:>16.4g}  (mean {sum(vals) / len(vals):.4g})")

@@ -44,6 +44,9 @@ class TrainerWorker:
         self.feeder: Feeder | None = None
         self.evals: Evals | None = None
         self._resume_meta: dict[str, Any] = {}
+        self._sync: Any = None  # the weight sync in flight (weightsync.overlap), a transfer.PendingSync
+        self._sync_m: dict[str, float] = {}  # the timings of the last sync that finished
+        self._eval_blocked_s = 0.0  # this step's wait for its own sync before launching an eval round
 
     # ---- setup ----------------------------------------------------------------------------------------------
 
@@ -80,7 +83,8 @@ class TrainerWorker:
             self._resume_meta = meta
             log.info("resumed from checkpoint step %d (data position %d, %d prompts in flight)", step,
                      int(meta["position"]), len(meta.get("in_flight", [])))
-        self.transfer = HopChainTransfer(self.tw, jax.devices())
+        ws = cfg.weightsync
+        self.transfer = HopChainTransfer(self.tw, jax.devices(), bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s)
         self.infer_dtype = jnp.dtype(cfg.inference.params_dtype)
         if self.rank == 0:
             self._build_feeder_and_evals()
@@ -123,20 +127,36 @@ class TrainerWorker:
 
     # ---- weight sync ----------------------------------------------------------------------------------------
 
-    def sync_weights(self) -> dict[str, float]:
-        """Cast, signal every inference host, then run the collective hop chain."""
+    def sync_weights(self, wait: bool = False) -> dict[str, float]:
+        """Cast, signal every inference host, then start the collective hop chain. With `weightsync.overlap` the
+        chain runs on a background thread behind the next step: this waits only for the previous sync (and, with
+        `wait`, for this one). The cast copy is a separate buffer from the train state, which the next step
+        donates, and lives until its sync is done: the double buffer. Returns the timings of the last finished
+        sync and `weight_sync/trainer_blocked_s`, the time this call held the trainer."""
         t0 = time.perf_counter()
+        self._await_sync()
         params = self.trainer.params_for_inference(self.infer_dtype)
         if self.rank == 0:
             for _ in range(self.inference_hosts):
                 self.q["weight_sync"].put({"version": self.trainer.version})
         faults.point("weight_sync", self.rank, self.trainer.step_count, self.run_dir)
-        _, m = self.transfer.transfer(params)
+        version, feeder = self.trainer.version, self.feeder
+        # The feeder gates on the version inference holds, not the trainer's own: credited when the chain is done.
+        self._sync = self.transfer.start(params, (lambda: feeder.set_synced(version)) if feeder is not None else None)
         del params
-        if self.feeder is not None:  # gate on the version inference holds, not the trainer's own
-            self.feeder.set_synced(self.trainer.version)
-        m["weight_sync_s"] = time.perf_counter() - t0
-        return m
+        if wait or not self.cfg.weightsync.overlap:
+            self._await_sync()
+        return {**self._sync_m, "weight_sync/trainer_blocked_s": time.perf_counter() - t0}
+
+    def _await_sync(self) -> float:
+        """Wait for the sync in flight, if any; returns the seconds waited."""
+        if self._sync is None:
+            return 0.0
+        t0 = time.perf_counter()
+        ws = self.cfg.weightsync
+        self._sync_m = self._sync.wait(2 * ws.timeout_s + 60)  # its barriers and hops time out first
+        self._sync = None
+        return time.perf_counter() - t0
 
     # ---- prompt feeding and evals (rank 0) ------------------------------------------------------------------
 
@@ -182,7 +202,7 @@ class TrainerWorker:
         self._build()
         cfg, tr = self.cfg, self.trainer
         log.info("trainer %d ready: version %d, %d inference hosts", self.rank, tr.version, self.inference_hosts)
-        sync_m = self.sync_weights()  # inference starts from exactly the trainer's weights
+        sync_m = self.sync_weights(wait=True)  # inference starts from exactly the trainer's weights
         if self.feeder is not None:
             self.feeder.start()
         evals_every = cfg.eval.every_n_steps
@@ -226,7 +246,9 @@ class TrainerWorker:
                         self.feeder.stop.set()
                 if self.rank == 0:
                     row |= self._inference_metrics()
+                    self._eval_blocked_s = 0.0
                     row |= self._evals_at(step, total, evals_every)
+                    row["weight_sync/trainer_blocked_s"] += self._eval_blocked_s
                     if self.gauges is not None:
                         self.gauges.set(row)
                     self.q["driver"].put(row)
@@ -239,6 +261,7 @@ class TrainerWorker:
             self.stop.set()
             if self.feeder is not None:
                 self.feeder.stop.set()
+        self._await_sync()  # the last weights reach inference before the hosts are torn down
         if self.ckpt is not None:
             self.ckpt.close()
         if cfg.checkpoint.export_hf:
@@ -255,13 +278,18 @@ class TrainerWorker:
         if step == total:
             if ev.pending is not None:
                 ev.collect()  # recorded in evals.jsonl; the final row carries the final eval
-            ev.launch(step, step)
+            self._launch_eval(step)
             return ev.collect()
         if ev.ready():
             out = ev.collect()
         if step % every == 0 and ev.pending is None:
-            ev.launch(step, step)
+            self._launch_eval(step)
         return out
+
+    def _launch_eval(self, step: int) -> None:
+        """An eval round at step k runs with the weights of step k: their sync must have landed first."""
+        self._eval_blocked_s += self._await_sync()
+        self.evals.launch(step, step)
 
     def _feeder_state(self) -> dict[str, Any]:
         """Checkpoint meta of the data stream (the same on every trainer host: only rank 0 has a feeder, but the

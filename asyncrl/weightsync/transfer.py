@@ -1,30 +1,44 @@
-"""Weight sync as a chain of cross-host `jax.device_put` hops inside the shared jax.distributed job.
+"""Weight sync as a pipelined chain of cross-host `jax.device_put` hops inside the shared jax.distributed job.
 
 Hosts are cut into `n_slots = hosts / train_workers` equal slots of consecutive ranks; slot 0 holds the trainers.
-Each slot gets a 1-D mesh over its devices. The trainer puts its (cast) tree replicated on slot 0's mesh, then
-slot i sends to slot i+1 for i = 0..n_slots-2. Every process runs every hop: a process in the sending slot passes
-its real arrays, the others pass an empty stand-in of the same abstract value, and the receiving slot gets the
-materialized arrays. `device_put` is asynchronous, so all leaves of all hops are enqueued and pipelined; the
-more leaves, the more sends overlap. This is the blog's `RDMATransferServer`; on TPU the hops ride ICI, on CPU
-the DCN transfer path (needs `jax_cross_host_transfer_socket_address`, see `enable_cpu_transfers`).
+Each slot gets a 1-D mesh over its devices, and every leaf travels replicated over it. Slot i sends to slot i+1
+for i = 0..n_slots-2. This is the blog's `RDMATransferServer`; on TPU the hops ride ICI, on CPU the DCN transfer
+path (needs `jax_cross_host_transfer_socket_address`, see `enable_cpu_transfers`).
 
-All processes must call `transfer` together (it is a collective), like any multi-host JAX computation.
+Pipelining. The parameters are cut into buckets of about `bucket_mb` (`plan_buckets`: whole leaves packed in
+order; a leaf larger than a bucket is cut along its first axis, the stacked layer axis, into row ranges). The hops
+run as a wavefront: at tick t, hop i moves bucket t - i. A forwarding slot has already enqueued the receive of
+bucket b+1 when it blocks on bucket b and sends it on, so every hop works at once and the chain costs about one
+whole transfer plus (n_slots - 2) buckets, instead of n_slots - 1 whole transfers in a row. `bucket_mb=0` sends
+the whole tree as one bucket (store-and-forward, the pre-pipelining behaviour).
 
-The barriers around the hops use the jax.distributed coordination service, not a device collective
-(`multihost_utils.sync_global_devices`): on the CPU backend with 2+ devices per process, a gloo all-gather
-issued while a sender's device_puts are still in flight deadlocks (the sender returns from `device_put` at once,
-enters the collective, and its gloo context setup times out). The key-value barrier has no such interaction, and
-is cheaper: no compilation, no device work.
+Every process runs every hop in the same order, like any multi-host JAX computation: a process in the sending
+slot passes its real arrays, the others an empty stand-in of the same abstract value, and the receiving slot gets
+the materialized arrays. So all processes call `transfer` (or `prepare` + `run`) together.
+
+The two barriers around the chain use the jax.distributed coordination service, not a device collective
+(`multihost_utils.sync_global_devices`): on the CPU backend with 2+ devices per process, a gloo all-gather issued
+while a sender's device_puts are in flight deadlocks (its gloo context setup times out). The key-value barrier
+has no such interaction and needs no compilation. Both have a timeout; inside the chain there is no barrier, and a
+hop that fails (the cross-host transfer has its own timeout) raises an error naming the hop and the bucket.
+
+Overlap. `prepare` does the part that may launch computations on the trainer mesh (reshard to the slot mesh,
+cut the buckets), and must run on the thread that runs the train step, so that every trainer process issues its
+collectives in the same order. `run`, the barriers and hops, may then run on a background thread (`start`): the
+trainer trains its next step while its previous weights travel.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 import socket
+import threading
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import distributed
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -32,19 +46,19 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from asyncrl.sharding.roles import split_roles
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 def enable_cpu_transfers(host: str = "127.0.0.1") -> None:
     """CPU backends refuse cross-host device_put unless each process names a socket for it (FACTS.md).
     Must run before the first transfer."""
-    jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{free_port()}")
+    jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{free_port(host)}")
 
 
-def barrier(name: str, timeout_s: float = 600.0) -> None:
+def barrier(name: str, timeout_s: float = 600.0, what: str = "") -> None:
     """Every process waits at `name` (unique per use) via the coordination service. There is no public API for
     this; orbax's `multihost.sync_global_processes` uses the same client call."""
     client = distributed.global_state.client
@@ -52,7 +66,11 @@ def barrier(name: str, timeout_s: float = 600.0) -> None:
         if jax.process_count() == 1:
             return
         raise RuntimeError("jax.distributed is not initialized; the hop chain needs it")
-    client.wait_at_barrier(name, int(timeout_s * 1000))
+    try:
+        client.wait_at_barrier(name, int(timeout_s * 1000))
+    except Exception as e:  # the client raises a bare XlaRuntimeError (DEADLINE_EXCEEDED or a dead peer)
+        raise TimeoutError(f"{what or name}: not every process reached barrier {name!r} within {timeout_s:g}s "
+                           f"(process {jax.process_index()}): {e}") from e
 
 
 def slot_mesh(devices: np.ndarray) -> Mesh:
@@ -60,9 +78,121 @@ def slot_mesh(devices: np.ndarray) -> Mesh:
     return Mesh(devices, ("devices",), axis_types=(AxisType.Explicit,))
 
 
+# ------------------------------------------------------------------------------------------------ buckets
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of flat leaf `leaf` along its first axis (the whole leaf when it is not cut)."""
+
+    leaf: int
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    dtype: Any
+    whole: bool
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+def plan_buckets(shapes: Sequence[jax.ShapeDtypeStruct], bucket_bytes: int) -> list[list[Piece]]:
+    """Cut the flat leaves into buckets of at most `bucket_bytes` each (a single row larger than that is a bucket
+    of its own). Deterministic in the shapes alone, so every process plans the same buckets. `bucket_bytes <= 0`:
+    one bucket holding every leaf whole."""
+    whole = lambda i, s: Piece(i, 0, s.shape[0] if s.shape else 1, tuple(s.shape), s.dtype, True)  # noqa: E731
+    if bucket_bytes <= 0:
+        return [[whole(i, s) for i, s in enumerate(shapes)]]
+    buckets: list[list[Piece]] = []
+    cur: list[Piece] = []
+    used = 0
+
+    def add(p: Piece) -> None:
+        nonlocal cur, used
+        if cur and used + p.nbytes > bucket_bytes:
+            buckets.append(cur)
+            cur, used = [], 0
+        cur.append(p)
+        used += p.nbytes
+
+    for i, s in enumerate(shapes):
+        nbytes = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+        if nbytes <= bucket_bytes or not s.shape or s.shape[0] == 1:
+            add(whole(i, s))
+            continue
+        rows = s.shape[0]
+        per = max(1, bucket_bytes // (nbytes // rows))
+        for a in range(0, rows, per):
+            b = min(rows, a + per)
+            add(Piece(i, a, b, (b - a, *s.shape[1:]), s.dtype, False))
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _rows(x: jax.Array, start: int, stop: int) -> jax.Array:
+    return jax.lax.slice_in_dim(x, start, stop, axis=0)
+
+
+@jax.jit
+def _concat(*xs: jax.Array) -> jax.Array:
+    return jnp.concatenate(xs, axis=0)
+
+
+# ------------------------------------------------------------------------------------------------ the chain
+
+
+@dataclass
+class Prepared:
+    """One sync, ready to run: its tag, this slot's pieces per bucket (slot 0) and the flat structure."""
+
+    index: int
+    treedef: Any
+    shapes: list[jax.ShapeDtypeStruct]
+    buckets: list[list[Piece]]
+    pieces: list[list[jax.Array]] | None
+    t0: float
+    prepare_s: float
+
+
+class PendingSync:
+    """A sync running on a background thread. `wait()` returns its timings or raises its error."""
+
+    def __init__(self, target: Callable[[], dict[str, float]], name: str):
+        self._result: dict[str, float] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(target,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, target: Callable[[], dict[str, float]]) -> None:
+        try:
+            self._result = target()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the waiting thread
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> dict[str, float]:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"{self._thread.name} still running after {timeout_s:g}s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
 class HopChainTransfer:
-    def __init__(self, train_workers: int, devices: Sequence[jax.Device] | None = None):
-        """`devices`: every device of the job (default `jax.devices()`), split into slots by `split_roles`."""
+    def __init__(self, train_workers: int, devices: Sequence[jax.Device] | None = None, *, bucket_mb: float = 64.0,
+                 timeout_s: float = 600.0, hop_delay_s: float = 0.0,
+                 on_event: Callable[[str, int, int], None] | None = None):
+        """`devices`: every device of the job (default `jax.devices()`), split into slots by `split_roles`.
+        `bucket_mb`: pipelining granularity (0 = one bucket). `timeout_s`: the start/end barriers' timeout.
+        `hop_delay_s` and `on_event(kind, bucket, hop)` ("send" before a bucket leaves this slot, "recv" once a
+        bucket is held here) exist for tests that show the pipelining by the order of events."""
         split = split_roles(jax.devices() if devices is None else devices, train_workers)
         self.train_workers = train_workers
         self.slots = [np.array(s) for s in split.slots()]
@@ -71,32 +201,111 @@ class HopChainTransfer:
         self.meshes = [slot_mesh(d) for d in self.slots]
         self.shardings = [NamedSharding(m, P()) for m in self.meshes]
         self.slot = jax.process_index() // train_workers
+        self.bucket_bytes = int(bucket_mb * 1e6)
+        self.timeout_s = timeout_s
+        self.hop_delay_s = hop_delay_s
+        self.on_event = on_event
         self.transfers = 0
+
+    # ---- public ---------------------------------------------------------------------------------------------
 
     def transfer(self, tree: Any, shapes: Any | None = None) -> tuple[Any, dict[str, float]]:
         """Trainers pass their params (any sharding on the trainer mesh); the others pass None and `shapes` (a
-        ShapeDtypeStruct tree). Returns (this slot's materialized tree, timings)."""
+        ShapeDtypeStruct tree). Returns (the received tree, or None on the trainers' slot 0, timings)."""
+        return self.run(self.prepare(tree, shapes))
+
+    def start(self, tree: Any, on_done: Callable[[], None] | None = None) -> PendingSync:
+        """A trainer's sync that runs behind its next step: `prepare` here, the chain on a background thread.
+        `tree` is the trainer's own inference-dtype copy; it stays alive until the sync is done."""
+        prep = self.prepare(tree)
+
+        def target() -> dict[str, float]:
+            _, m = self.run(prep)
+            if on_done is not None:
+                on_done()
+            return m
+
+        return PendingSync(target, f"weight-sync-{prep.index}")
+
+    def prepare(self, tree: Any, shapes: Any | None = None) -> Prepared:
+        """The part of a sync that may launch computations on the trainer mesh. Call it on the train-step thread."""
         t0 = time.perf_counter()
-        tag = f"weight_sync_{self.transfers}"
-        barrier(tag + "_start")
-        t1 = time.perf_counter()
         if shapes is None:
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        flat, treedef = jax.tree.flatten(shapes)
+        buckets = plan_buckets(flat, self.bucket_bytes)
+        pieces = None
         if self.slot == 0:
-            tree = jax.device_put(tree, self.shardings[0])
-        out = tree if self.slot == 0 else None
-        for i, (src, dst) in enumerate(itertools.pairwise(self.shardings)):
-            buffer = out if self.slot == i else jax.tree.map(
-                lambda s, sh=src: jax.make_array_from_single_device_arrays(s.shape, sh, [], dtype=s.dtype), shapes
-            )
-            moved = jax.device_put(buffer, dst)
-            if self.slot == i + 1:
-                # A forwarding slot holds its copy before sending it on.
-                out = jax.block_until_ready(moved) if i + 2 < self.n_slots else moved
-        out = jax.block_until_ready(out)
-        t2 = time.perf_counter()
-        barrier(tag + "_end")
+            leaves = jax.tree.leaves(jax.device_put(tree, self.shardings[0]))
+            pieces = [[leaves[p.leaf] if p.whole else _rows(leaves[p.leaf], p.start, p.stop) for p in b]
+                      for b in buckets]
+        index = self.transfers
         self.transfers += 1
-        nbytes = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
-        return out, {"weight_sync_s": time.perf_counter() - t0, "weight_sync_barrier_s": t1 - t0,
-                     "weight_sync_hops_s": t2 - t1, "weight_sync_bytes": float(nbytes)}
+        return Prepared(index, treedef, flat, buckets, pieces, t0, time.perf_counter() - t0)
+
+    def run(self, prep: Prepared) -> tuple[Any, dict[str, float]]:
+        """The collective chain: start barrier, the wavefront of hops, end barrier. Any thread."""
+        tag = f"weight_sync_{prep.index}"
+        what = f"weight sync #{prep.index}"
+        t0 = time.perf_counter()
+        barrier(tag + "_start", self.timeout_s, what)
+        t1 = time.perf_counter()
+        held = self._chain(prep, what)
+        t2 = time.perf_counter()
+        barrier(tag + "_end", self.timeout_s, what)
+        out = None if self.slot == 0 else self._assemble(prep, held)
+        nbytes = sum(p.nbytes for b in prep.buckets for p in b)
+        return out, {"weight_sync_s": time.perf_counter() - prep.t0, "weight_sync_barrier_s": t1 - t0,
+                     "weight_sync_hops_s": t2 - t1, "weight_sync_prepare_s": prep.prepare_s,
+                     "weight_sync_bytes": float(nbytes), "weight_sync_buckets": float(len(prep.buckets))}
+
+    # ---- internals ------------------------------------------------------------------------------------------
+
+    def _empty(self, p: Piece, slot: int) -> jax.Array:
+        return jax.make_array_from_single_device_arrays(p.shape, self.shardings[slot], [], dtype=p.dtype)
+
+    def _chain(self, prep: Prepared, what: str) -> list[Any]:
+        """Tick t: hop i (slot i -> i+1) moves bucket t - i. A slot s > 0 blocks on bucket t - s, which it
+        received at tick t - 1, only after enqueuing the receive of bucket t - s + 1, and then sends it on."""
+        n_b, hops = len(prep.buckets), self.n_slots - 1
+        held: list[Any] = list(prep.pieces) if self.slot == 0 else [None] * n_b
+        for t in range(n_b + hops):
+            for i in range(hops + 1):  # i == hops: only the last slot's wait for its bucket t - hops
+                b = t - i
+                if not 0 <= b < n_b:
+                    continue
+                if self.slot == i and i > 0:
+                    held[b] = self._wait(held[b], what, i - 1, b, n_b)
+                if i == hops:
+                    continue
+                if self.slot == i:
+                    if self.hop_delay_s:
+                        time.sleep(self.hop_delay_s)
+                    if self.on_event is not None:
+                        self.on_event("send", b, i)
+                    src = held[b]
+                else:
+                    src = [self._empty(p, i) for p in prep.buckets[b]]
+                moved = jax.device_put(src, self.shardings[i + 1])
+                if self.slot == i + 1:
+                    held[b] = moved
+        return held
+
+    def _wait(self, bucket: list[jax.Array], what: str, hop: int, b: int, n_b: int) -> list[jax.Array]:
+        try:
+            out = jax.block_until_ready(bucket)
+        except Exception as e:
+            raise RuntimeError(f"{what}: hop {hop} (slot {hop} -> slot {hop + 1}, process {jax.process_index()} "
+                               f"receiving) failed on bucket {b + 1}/{n_b}: {e}") from e
+        if self.on_event is not None:
+            self.on_event("recv", b, hop)
+        return out
+
+    def _assemble(self, prep: Prepared, held: list[Any]) -> Any:
+        """Leaves back from their pieces (a cut leaf is concatenated once, on this slot's mesh)."""
+        parts: list[list[jax.Array]] = [[] for _ in prep.shapes]
+        for bucket, arrays in zip(prep.buckets, held):
+            for p, x in zip(bucket, arrays):
+                parts[p.leaf].append(x)
+        leaves = [ps[0] if len(ps) == 1 else _concat(*ps) for ps in parts]
+        return jax.tree.unflatten(prep.treedef, jax.block_until_ready(leaves))

@@ -1,0 +1,27 @@
+"""Config of the weight sync (`weightsync:` in YAML)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncrl.config.validate import check
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    bucket_mb: float = 64.0
+    """Pipelining granularity of the hop chain, in MB (1e6 bytes): each hop forwards bucket i while it receives
+    bucket i+1. A leaf larger than a bucket is cut along its first (stacked layer) axis. 0 sends the whole tree as
+    one bucket (store-and-forward: n_slots - 1 whole transfers in a row)."""
+    overlap: bool = True
+    """The trainer starts its next step while its previous weights travel (its inference-dtype copy is a separate
+    buffer, kept alive until the sync is done). It blocks only when the next sync is due before the previous one
+    finished, and before an eval round (which must see the step's weights); `weight_sync/trainer_blocked_s` is that
+    time. False: every sync blocks the trainer until the weights have landed."""
+    timeout_s: float = 600.0
+    """Longest any process waits at the barriers that open and close a sync (every process of the job meets there:
+    a dead or wedged host turns into an error naming the sync instead of a hang)."""
+
+    def __post_init__(self) -> None:
+        check("weightsync.bucket_mb", self.bucket_mb, self.bucket_mb >= 0, ">= 0 (0 = one bucket)")
+        check("weightsync.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
