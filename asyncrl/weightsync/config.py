@@ -9,10 +9,13 @@ from asyncrl.config.validate import check
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
-    bucket_mb: float = 64.0
+    bucket_mb: float = 512.0
     """Pipelining granularity of the hop chain, in MB (1e6 bytes): each hop forwards bucket i while it receives
-    bucket i+1. A leaf larger than a bucket is cut along its first (stacked layer) axis. 0 sends the whole tree as
-    one bucket (store-and-forward: n_slots - 1 whole transfers in a row)."""
+    bucket i+1, so a chain of n slots costs about one whole transfer plus (n - 2) buckets. A leaf larger than a
+    bucket is cut along its first (stacked layer) axis. Only chains of 3+ slots use buckets (one hop has nothing to
+    overlap). 0 sends the whole tree as one bucket (store-and-forward: n - 1 whole transfers in a row). The default
+    suits TPU links (~1 ms per bucket-hop of fixed cost against ~5 ms to move 512 MB over one v5p ICI link);
+    simulated hosts sharing one machine's cores are better off with 0 (benchmarks/README.md, weight_sync)."""
     overlap: bool = True
     """The trainer starts its next step while its previous weights travel (its inference-dtype copy is a separate
     buffer, kept alive until the sync is done). It blocks only when the next sync is due before the previous one

@@ -10,7 +10,7 @@ order; a leaf larger than a bucket is cut along its first axis, the stacked laye
 run as a wavefront: at tick t, hop i moves bucket t - i. A forwarding slot has already enqueued the receive of
 bucket b+1 when it blocks on bucket b and sends it on, so every hop works at once and the chain costs about one
 whole transfer plus (n_slots - 2) buckets, instead of n_slots - 1 whole transfers in a row. `bucket_mb=0` sends
-the whole tree as one bucket (store-and-forward, the pre-pipelining behaviour).
+the whole tree as one bucket (store-and-forward, the pre-pipelining behaviour), and so does a chain of one hop.
 
 Every process runs every hop in the same order, like any multi-host JAX computation: a process in the sending
 slot passes its real arrays, the others an empty stand-in of the same abstract value, and the receiving slot gets
@@ -186,7 +186,7 @@ class PendingSync:
 
 
 class HopChainTransfer:
-    def __init__(self, train_workers: int, devices: Sequence[jax.Device] | None = None, *, bucket_mb: float = 64.0,
+    def __init__(self, train_workers: int, devices: Sequence[jax.Device] | None = None, *, bucket_mb: float = 512.0,
                  timeout_s: float = 600.0, hop_delay_s: float = 0.0,
                  on_event: Callable[[str, int, int], None] | None = None):
         """`devices`: every device of the job (default `jax.devices()`), split into slots by `split_roles`.
@@ -233,7 +233,8 @@ class HopChainTransfer:
         if shapes is None:
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
         flat, treedef = jax.tree.flatten(shapes)
-        buckets = plan_buckets(flat, self.bucket_bytes)
+        # One hop has nothing to overlap: cutting leaves would only add copies on both ends.
+        buckets = plan_buckets(flat, self.bucket_bytes if self.n_slots > 2 else 0)
         pieces = None
         if self.slot == 0:
             leaves = jax.tree.leaves(jax.device_put(tree, self.shardings[0]))
@@ -251,6 +252,8 @@ class HopChainTransfer:
         barrier(tag + "_start", self.timeout_s, what)
         t1 = time.perf_counter()
         held = self._chain(prep, what)
+        if self.slot > 0:
+            held = [self._wait(h, what, self.slot - 1, b, len(held), event=False) for b, h in enumerate(held)]
         t2 = time.perf_counter()
         barrier(tag + "_end", self.timeout_s, what)
         out = None if self.slot == 0 else self._assemble(prep, held)
@@ -274,7 +277,8 @@ class HopChainTransfer:
                 b = t - i
                 if not 0 <= b < n_b:
                     continue
-                if self.slot == i and i > 0:
+                # The last slot forwards nothing: it waits bucket by bucket only when someone watches the events.
+                if self.slot == i and i > 0 and (i < hops or self.on_event is not None):
                     held[b] = self._wait(held[b], what, i - 1, b, n_b)
                 if i == hops:
                     continue
@@ -291,13 +295,14 @@ class HopChainTransfer:
                     held[b] = moved
         return held
 
-    def _wait(self, bucket: list[jax.Array], what: str, hop: int, b: int, n_b: int) -> list[jax.Array]:
+    def _wait(self, bucket: list[jax.Array], what: str, hop: int, b: int, n_b: int, event: bool = True
+              ) -> list[jax.Array]:
         try:
             out = jax.block_until_ready(bucket)
         except Exception as e:
             raise RuntimeError(f"{what}: hop {hop} (slot {hop} -> slot {hop + 1}, process {jax.process_index()} "
                                f"receiving) failed on bucket {b + 1}/{n_b}: {e}") from e
-        if self.on_event is not None:
+        if event and self.on_event is not None:
             self.on_event("recv", b, hop)
         return out
 
