@@ -86,7 +86,10 @@ def worker_hop(rank: int, n: int, port: int, model: str, repeats: int, ndev: int
         log(f"{model} rank {rank}: built trainer tree in {time.perf_counter() - t:.1f}s")
     timings = []
     for i in range(repeats + 1):  # first one is the warm-up (compiles/sets up the hops)
+        c0 = os.times()
         out, t = hc.transfer(tree) if hc.slot == 0 else hc.transfer(None, shapes)
+        c1 = os.times()
+        t["cpu_s"] = (c1.user - c0.user) + (c1.system - c0.system)  # this process's CPU time in the sync
         timings.append(t)
         log(f"{model} rank {rank} transfer {i}{' (warm-up)' if i == 0 else ''}: "
             f"{t['weight_sync_s']:.3f}s (hops {t['weight_sync_hops_s']:.3f}s)")
@@ -212,6 +215,9 @@ def bench_chain(model: str, n: int, ndev: int, bucket_mb: float, repeats: int, t
             "bytes": int(hop[0]["timings"][0]["weight_sync_bytes"]), "leaves": hop[0]["leaves"],
             "buckets": int(hop[0]["timings"][0]["weight_sync_buckets"]),
             "seconds": med(0, "weight_sync_s"), "last_receiver_hops_s": med(n - 1, "weight_sync_hops_s"),
+            # CPU seconds of all processes together per sync: on a machine of C cores no sync can take less than
+            # cpu_s / C, however well the hops overlap.
+            "cpu_s": statistics.median(sum(r["timings"][k]["cpu_s"] for r in hop) for k in range(1, repeats + 1)),
             "timings": {f"rank{r['rank']}": r["timings"] for r in hop}}  # [0] is the warm-up
 
 
@@ -255,17 +261,19 @@ def main() -> None:
                       "vs_2_processes": r["seconds"] / base["seconds"]}
 
     hdr = (f"{'model':<14}{'layout':>7}{'variant':>19}{'buckets':>8}{'seconds':>9}{'MB/s':>8}{'socket s':>10}"
-           f"{'x socket':>9}{'vs 2 procs':>11}")
+           f"{'x socket':>9}{'vs 2 procs':>11}{'CPU s':>8}{'CPU s/cores':>12}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         print(f"{r['model']:<14}{str(r['processes']) + 'x' + str(r['devices_per_process']):>7}{r['variant']:>19}"
               f"{r['buckets']:>8}{r['seconds']:>9.4f}{r['MBps']:>8.0f}{r['socket_s']:>10.4f}"
-              f"{r['ratio_to_socket']:>8.2f}x{r['vs_2_processes']:>10.2f}x")
+              f"{r['ratio_to_socket']:>8.2f}x{r['vs_2_processes']:>10.2f}x{r['cpu_s']:>8.3f}"
+              f"{r['cpu_s'] / os.cpu_count():>12.3f}")
     load1 = os.getloadavg()
     print(f"\nseconds = median weight_sync_s on the trainer (start barrier to end barrier: until the last receiver "
           f"holds the tree); x socket = seconds / loopback socket seconds for the same bytes; vs 2 procs = seconds / "
-          f"the same variant's 2x1 seconds. Load average {load0[0]:.2f} at start, {load1[0]:.2f} at end, "
+          f"the same variant's 2x1 seconds; CPU s = CPU time of all "
+          f"processes per sync (CPU s/cores: the least time any schedule of it can take here). Load average {load0[0]:.2f} at start, {load1[0]:.2f} at end, "
           f"{os.cpu_count()} CPUs.")
     out = {"setup": {"models": a.models, "layouts": a.layouts, "bucket_mb": a.bucket_mb, "repeats": a.repeats,
                      "backend": "cpu (gloo collectives, cross-host transfer socket)", "dtype": "bfloat16",
