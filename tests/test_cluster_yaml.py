@@ -14,7 +14,7 @@ from ray._private.accelerators import tpu
 from ray._private.accelerators.tpu import TPUAcceleratorManager
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from asyncrl.orchestration.roofline import CHIPS
+from asyncrl.aot.roofline import CHIPS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLUSTER_YAMLS = sorted((REPO / "cluster").glob("*.yaml"))

@@ -37,7 +37,7 @@ from asyncrl.models.kvcache import KV_AXES, LENGTH_AXES, KVCache, write_new, wri
 from asyncrl.models.params import LayerParams, Params
 from asyncrl.models.rope import apply_rope, rope_tables
 from asyncrl.sharding.rules import ShardingRules
-from asyncrl.train.logprobs import fused_linear_selection
+from asyncrl.ops.logprobs import fused_linear_selection
 
 _LOGPROB_CHUNK = 1024  # tokens per fused LM-head chunk in `get_logprobs`: bounds the [chunk, V] fp32 temporary
 
@@ -379,7 +379,7 @@ class Model:
         h, _ = self.apply(params, tokens, seq_lens, apply_lm_head=False)
         h = h / (temperature if temperature > 0 else 1.0)  # [B, T, D]; (h / t) @ W == logits / t
         B, T, _ = h.shape
-        # The fused LM head never materialises [B, T, V] logits (the trainer's path, see train/logprobs.py).
+        # The fused LM head never materialises [B, T, V] logits (the trainer's path, see ops/logprobs.py).
         lp = fused_linear_selection(self.flatten_positions(h), self.lm_head_weight(params),
                                     self.flatten_positions(self.next_token_targets(tokens)), _LOGPROB_CHUNK)
         valid = jnp.arange(T - 1)[None, :] < (seq_lens[:, None] - 1)

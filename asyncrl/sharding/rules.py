@@ -111,10 +111,6 @@ class ShardingRules:
 
 # ---- Rule instances -----------------------------------------------------------------------------------------
 
-def replicated_rules() -> ShardingRules:
-    return ShardingRules()
-
-
 def fsdp_rules(fsdp_axis: str = "fsdp", shard_logical: str = "embed", min_bytes: int = 0, data_axes: MeshAxes = ("dp", "fsdp")) -> ShardingRules:
     """FSDP: each weight is split along one chosen logical dim (default the residual width D) over `fsdp`."""
     rules = ShardingRules(batch=data_axes, min_bytes=min_bytes)

@@ -6,7 +6,7 @@
         scores = v.score_batch([(completion, sample), ...])
 """
 
-from asyncrl.tasks.base import REASONS, Sample, Score, Task, build_source, build_task, register_task, registered_tasks
+from asyncrl.tasks.base import REASONS, Sample, Score, Task
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig, VerifierConfig
 from asyncrl.tasks.digits import CHARSET as DIGITS_CHARSET
 from asyncrl.tasks.digits import DigitsOptions, DigitsTask
@@ -17,6 +17,7 @@ from asyncrl.tasks.math_files import MathFileLoader, MathFileTask, SkippedRow, d
 from asyncrl.tasks.mixture import MixtureTask
 from asyncrl.tasks.passk import pass_at_k, summarize_rewards
 from asyncrl.tasks.prompts import PromptFormat
+from asyncrl.tasks.registry import build_source, build_task, register_task, registered_tasks
 from asyncrl.tasks.verifier import Verifier
 
 __all__ = [

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from asyncrl.config.validate import ConfigError, check, check_choice
-from asyncrl.tasks.base import Sample, Score, Task, check_split, register_task, stable_hash, stable_unit
+from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash, stable_unit
 from asyncrl.tasks.config import MATH_FILE_SCHEMAS, TaskConfig, TaskSourceConfig
 from asyncrl.tasks.extract import ANSWER_FORMATS, AnswerLimits, render_answer
 from asyncrl.tasks.grading import grade, warmup_math
@@ -464,8 +464,7 @@ class MathFileTask(Task):
 _OPTIONS = ("label", "answer_formats")
 
 
-@register_task("math_file")
-def _build(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> MathFileTask:
+def build_math_file(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> MathFileTask:
     check(f"{where}.path", source.path, bool(source.path), "a file path or glob for a math_file source")
     for key in source.options:
         check_choice(f"{where}.options", key, _OPTIONS)

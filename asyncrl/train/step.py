@@ -34,10 +34,11 @@ from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
 from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weights, prepare_loss_inputs
 from asyncrl.train.batch import RLBatch
-from asyncrl.train.logprobs import fused_logprobs_and_entropy, scale_for_temperature
+from asyncrl.ops.logprobs import fused_logprobs_and_entropy, scale_for_temperature
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import Metrics, finalize_metrics, get_loss, metric_reduction
-from asyncrl.train.mesh import DATA_AXES, TrainShardings
+from asyncrl.sharding.axes import DATA_AXES
+from asyncrl.train.mesh import TrainShardings
 from asyncrl.train.optimizer import Schedule
 
 StepFn = Callable[[Params, Any, RLBatch, jax.Array], tuple[Params, Any, Metrics]]
