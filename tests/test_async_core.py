@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncrl.inference.rollout import Completion, Rollout
+from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.orchestration.evals import Evals
 from asyncrl.orchestration.feeder import Feeder, FeederError
 from asyncrl.orchestration.inference_worker import InferenceWorker
@@ -63,7 +63,7 @@ def sample_stream():
 def group(position, version, rewards, round_=-1):
     comps = [Completion(tokens=np.array([1, 2], np.int32), logprobs=np.zeros(2, np.float32), forced=np.zeros(2, bool),
                         versions=np.full(2, version, np.int32), reward=float(r)) for r in rewards]
-    return Rollout(sample=(position, round_, SimpleNamespace(id=f"s{position}", answer=str(position))),
+    return Rollout(prompt=PromptRef(position, SimpleNamespace(id=f"s{position}", answer=str(position)), round_),
                    prompt_tokens=np.array([3], np.int32), completions=comps, group_size=len(rewards), uid=position)
 
 
@@ -210,15 +210,15 @@ class Sim:
         try:
             for step in range(1, steps + 1):
                 def on(r, reason, step=step):
-                    self.feeder.consumed(r.sample[0], reason)
-                    self.order.append(r.sample[0])
-                    if r.sample[2].id != f"s{r.sample[0]}":
-                        self.wrong_sample.append(r.sample[0])
-                    (self.dropped.append((step, r.sample[0], reason)) if reason else None)
+                    self.feeder.consumed(r.prompt.position, reason)
+                    self.order.append(r.prompt.position)
+                    if r.prompt.id != f"s{r.prompt.position}":
+                        self.wrong_sample.append(r.prompt.position)
+                    (self.dropped.append((step, r.prompt.position, reason)) if reason else None)
                 kept, m = collect_rollouts(self.rollouts.poll, self.P, self.version, self.max_lag, self.zv,
                                            timeout_s=5, on_consumed=on, check=self.feeder.check, poll_s=0.05,
                                            pool=pool, urgent=urgent)
-                self.taken += [(step, r.sample[0]) for r in kept]
+                self.taken += [(step, r.prompt.position) for r in kept]
                 metrics.append(m)
                 time.sleep(self.step_s)
                 self.version += 1  # the step
@@ -487,11 +487,11 @@ def test_zero_variance_budget_fills_the_step_instead_of_sampling_forever():
         q.put(r)
     seen = []
     kept, m = collect_rollouts(q.poll, 4, 0, 0, drop_zero_variance=True, timeout_s=1, poll_s=0.05,
-                               on_consumed=lambda r, reason: seen.append((r.sample[0], reason)),
+                               on_consumed=lambda r, reason: seen.append((r.prompt.position, reason)),
                                zero_variance_budget=5)
     # 5 dropped, then zero-variance groups fill the batch next to the one group with variance.
     assert m["rollout/filtered_zero_variance"] == 5 and m["rollout/zero_variance_fillers"] == 3
-    assert [r.sample[0] for r in kept] == [5, 6, 7, 8]
+    assert [r.prompt.position for r in kept] == [5, 6, 7, 8]
     assert seen == [(p, "zero_variance") for p in range(5)] + [(p, None) for p in (5, 6, 7, 8)]
     from asyncrl.train.loss_config import LossConfig
     from asyncrl.train.losses import keep_sequences
@@ -513,4 +513,4 @@ def test_straggler_wait_is_bounded():
     assert 0.25 < time.time() - t0 < 5
     assert len(kept) == 3 and len(pool) == 1  # the 4th group is carried to the next step
     kept, m = collect_rollouts(q.poll, 1, 1, 1, timeout_s=30, poll_s=0.05, pool=pool, urgent=lambda: set())
-    assert [r.sample[0] for r in kept] == [3] and not pool
+    assert [r.prompt.position for r in kept] == [3] and not pool

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.forcing import force_end_of_think, force_eos
-from asyncrl.inference.rollout import Completion, Rollout
+from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.inference.sampling import sample
 from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row
 from asyncrl.models import params as params_lib
@@ -40,11 +40,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Request:
-    """A prompt to sample `n` times. `payload` rides along into the Rollout (`sample`)."""
+    """A prompt to sample `n` times. `prompt` rides along into the Rollout."""
 
     tokens: Sequence[int]
     n: int
-    payload: Any = None
+    prompt: PromptRef | None = None
     is_eval: bool = False
     uid: int | None = None  # seeds this prompt's samples (with the engine seed); None = an engine counter
 
@@ -448,7 +448,7 @@ class Engine:
             queue: list[tuple[int, _Group, int]] = []
             for i, r in enumerate(chunk):
                 uid = r.uid if r.uid is not None else self._uid_counter
-                rollout = Rollout(sample=r.payload, prompt_tokens=np.asarray(r.tokens, np.int32), group_size=r.n,
+                rollout = Rollout(prompt=r.prompt, prompt_tokens=np.asarray(r.tokens, np.int32), group_size=r.n,
                                   is_eval=r.is_eval, uid=uid, worker=self.name)
                 self._uid_counter += 1
                 g = _Group(rollout, r.n, [None] * r.n)

@@ -58,15 +58,15 @@ class Evals:
                                        f"({len(groups)}/{n} groups) on the 'eval_rollout' queue")
                 continue
             deadline = time.monotonic() + self.timeout_s
-            if r.sample[1] == round_:  # (position, round, sample): a late group of an abandoned round is skipped
+            if r.prompt.eval_round == round_:  # a late group of an abandoned round is skipped
                 groups.append(r)
         self.pending = None
-        groups.sort(key=lambda g: g.sample[0])  # eval-set order
+        groups.sort(key=lambda g: g.prompt.position)  # eval-set order
         # Every eval sample, for inspection and for paired comparisons of two evals (same prompts, same order).
         with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
             for g in groups:
-                f.write(json.dumps({"round": round_, "version": g.oldest_version, "id": g.sample[2].id,
-                                    "answer": g.sample[2].answer,
+                f.write(json.dumps({"round": round_, "version": g.oldest_version, "id": g.prompt.id,
+                                    "answer": g.prompt.sample.answer,
                                     "completions": [{"text": c.text, "reward": c.reward, "reason": c.reason}
                                                     for c in g.completions]}) + "\n")
         stats = summarize_rewards([list(g.rewards) for g in groups])

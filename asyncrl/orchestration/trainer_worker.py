@@ -111,8 +111,8 @@ class TrainerWorker:
                 f.write(json.dumps(d) + "\n")
             for r in rollouts:
                 f.write(json.dumps({
-                    "step": step, "trainer_version": version, "pid": os.getpid(), "id": r.sample[2].id,
-                    "position": r.sample[0],
+                    "step": step, "trainer_version": version, "pid": os.getpid(), "id": r.prompt.id,
+                    "position": r.prompt.position,
                     "worker": r.worker,
                     "completions": [{
                         "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
@@ -158,10 +158,10 @@ class TrainerWorker:
     def _on_consumed(self, step: int, drops: list) -> Any:
         """The collector's callback: credit the feeder at once (directly on rank 0, by queue from the others)."""
         def on(rollout: Any, reason: str | None) -> None:
-            position = rollout.sample[0]
+            position = rollout.prompt.position
             if reason is not None:
                 drops.append({"step": step, "pid": os.getpid(), "dropped": reason, "position": position,
-                              "id": rollout.sample[2].id,
+                              "id": rollout.prompt.id,
                               "oldest_version": rollout.oldest_version})
             if self.feeder is not None:
                 self.feeder.consumed(position, reason)
@@ -209,8 +209,8 @@ class TrainerWorker:
                     zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),
                     straggler_wait_s=cfg.async_.straggler_wait_s,
                 )
-                rollouts.sort(key=lambda r: r.sample[0])  # by data position: same batch order whatever arrived first
-                batch = build_batch(rollouts, tr.version, cfg.loss, cfg.train.pad_to_multiple)
+                rollouts.sort(key=lambda r: r.prompt.position)  # by data position: same batch order whatever arrived first
+                batch = build_batch(rollouts, cfg.loss, cfg.train.pad_to_multiple)
                 every = cfg.logging.rollouts_every_n_steps
                 if every and step % every == 0:
                     self._log_rollouts(step, tr.version, rollouts, drops)
