@@ -13,7 +13,6 @@ from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.orchestration.evals import Evals
 from asyncrl.orchestration.feeder import Feeder, FeederError
 from asyncrl.orchestration.inference_worker import InferenceWorker
-from asyncrl.orchestration.trainer_worker import TrainerWorker
 from asyncrl.train.collect import RolloutTimeout, collect_rollouts
 
 
@@ -348,16 +347,14 @@ def test_eval_pending_at_the_final_step_is_kept(tmp_path):
                 r = float(item.position % 2 == 0)
                 results.put(group(item.position, item.eval_round, [r, r], item.eval_round))
 
-    tw = TrainerWorker.__new__(TrainerWorker)
-    tw.evals = ev
     ev.launch(0, 0)
     t = threading.Thread(target=serve, daemon=True)
-    assert tw._evals_at(1, 4, every=2) == {}  # round 0 not back yet (nothing serves): nothing to record
+    assert ev.at_step(1, 4, every=2) == {}  # round 0 not back yet (nothing serves): nothing to record
     t.start()
     assert wait_until(ev.ready)
-    row2 = tw._evals_at(2, 4, every=2)  # collects round 0, launches round 2
+    row2 = ev.at_step(2, 4, every=2)  # collects round 0, launches round 2
     assert row2["eval/at_step"] == 0 and ev.pending[0] == 2
-    row4 = tw._evals_at(4, 4, every=2)  # final step: round 2 is still pending -> waited for and recorded
+    row4 = ev.at_step(4, 4, every=2)  # final step: round 2 is still pending -> waited for and recorded
     stop.set()
     assert row4["eval/at_step"] == 4 and row4["eval/prompts"] == 3
     rows = [__import__("json").loads(x) for x in open(tmp_path / "evals.jsonl")]

@@ -42,6 +42,22 @@ class Evals:
             self._put(PromptItem(EVAL_POSITION_BASE + i, s, self.group_size, True, round_), self.timeout_s)
         self.pending = (round_, len(self._eval_samples), at_step)
 
+    def at_step(self, step: int, total: int, every: int) -> dict[str, float]:
+        """The eval metrics step `step`'s row carries: a round that came back is collected, the next is launched
+        every `every` steps; at the final step the pending round is waited for and recorded, then the final eval
+        runs and its metrics are returned."""
+        if not every:
+            return {}
+        if step == total:
+            if self.pending is not None:
+                self.collect()  # recorded in evals.jsonl; the final row carries the final eval
+            self.launch(step, step)
+            return self.collect()
+        out = self.collect() if self.ready() else {}
+        if step % every == 0 and self.pending is None:
+            self.launch(step, step)
+        return out
+
     def ready(self) -> bool:
         return self.pending is not None and self._qsize() >= self.pending[1]
 

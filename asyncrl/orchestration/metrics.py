@@ -25,6 +25,17 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def inference_means(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The inference hosts' reports since the last step -> `inference/<key>`: the mean of each key (the max of
+    `*_max` keys)."""
+    out: dict[str, float] = {}
+    for key in rows[0] if rows else ():
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[f"inference/{key}"] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
+    return out
+
+
 class RayGauges:
     """One Ray Gauge per metric key, created lazily; they show in the Ray dashboard's metrics view."""
 
