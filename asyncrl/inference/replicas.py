@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request

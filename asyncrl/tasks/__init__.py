@@ -13,7 +13,8 @@ from asyncrl.tasks.digits import DigitsOptions, DigitsTask
 from asyncrl.tasks.extract import AnswerLimits, extract_answer, reject_reason
 from asyncrl.tasks.grading import exact_equal, grade, math_equal
 from asyncrl.tasks.gym import GymTask
-from asyncrl.tasks.math_files import MathFileLoader, MathFileTask, SkippedRow, detect_schema
+from asyncrl.tasks.math_files import MathFileTask
+from asyncrl.tasks.math_loader import MathFileLoader, SkippedRow, detect_schema
 from asyncrl.tasks.mixture import MixtureTask
 from asyncrl.tasks.passk import pass_at_k, summarize_rewards
 from asyncrl.tasks.prompts import PromptFormat
