@@ -111,6 +111,16 @@ def test_installs_this_project_with_token_auth(path: pathlib.Path) -> None:
             assert "RAY_AUTH_MODE=token" in cmd
 
 
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_dashboard_listens_on_loopback_only(path: pathlib.Path) -> None:
+    """The head's dashboard and job API are reached through an SSH tunnel, never on a public interface."""
+    config = validate_cluster_yaml(path)
+    starts = [cmd for cmd in config["head_start_ray_commands"] if " start " in cmd]
+    assert starts and all("--dashboard-host=127.0.0.1" in cmd for cmd in starts), starts
+    assert "0.0.0.0" not in path.read_text()
+    assert "ray dashboard" in path.read_text() and "ssh -L" in path.read_text()  # the comment says how to tunnel
+
+
 def test_tpu_configs_share_setup() -> None:
     """The configs differ only in the TPU: install and start commands must not drift apart."""
     keys = ("setup_commands", "head_setup_commands", "worker_setup_commands", "head_start_ray_commands",
