@@ -50,7 +50,7 @@ class TrainerCheckpoints:
             force=True,
         )
         self.manager.wait_until_finished()
-        log.info("checkpoint %d saved to %s", step, self.directory)
+        log.debug("checkpoint %d saved to %s", step, self.directory)
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Returns arrays to be placed by the caller (host-local leaves come back as NumPy)."""

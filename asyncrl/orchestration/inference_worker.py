@@ -83,7 +83,7 @@ class InferenceWorker:
                     self.gate.params, self.gate.version = new, int(msg["version"])
                 self.gate.event.clear()
                 self.sync_stats = {"park_s": parked_s, "sync_s": time.perf_counter() - t0}
-                log.info("weights v%d received in %.2fs (replicas parked in %.2fs)", self.gate.version,
+                log.debug("weights v%d received in %.2fs (replicas parked in %.2fs)", self.gate.version,
                          time.perf_counter() - t0, parked_s)
         except BaseException as e:
             self.errors.append(e)
