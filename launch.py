@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
 
         return aot(argv[1:])
     if argv and argv[0] == "roofline":
-        from asyncrl.orchestration.roofline import main as roofline
+        from asyncrl.aot.roofline_cli import main as roofline
 
         return roofline(argv[1:])
     if argv and argv[0] in ("submit", "status", "logs", "stop"):

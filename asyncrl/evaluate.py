@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     from asyncrl.inference.config import InferenceConfig
     from asyncrl.inference.engine import Request
     from asyncrl.inference.replicas import ReplicaSet
+    from asyncrl.inference.rollout import PromptRef
     from asyncrl.models import from_pretrained
     from asyncrl.models.tokenizer import Tokenizer
     from asyncrl.tasks import Verifier, build_task
@@ -226,16 +227,16 @@ def run(args: argparse.Namespace) -> int:
 
     with Verifier(task, task_cfg.verifier) as verifier:
         bar = tqdm(total=len(prompts), desc=f"eval {args.task}", unit="prompt", file=sys.stderr)
-        requests = [Request(p.tokens, args.n, payload=i, is_eval=True) for i, p in enumerate(prompts)]
+        requests = [Request(p.tokens, args.n, PromptRef(i, p.sample), is_eval=True) for i, p in enumerate(prompts)]
         rollouts = replicas.generate(requests, on_group=lambda _: bar.update(1))
         bar.close()
-        items = [(c.text, prompts[ro.sample].sample) for ro in rollouts for c in ro.completions]
+        items = [(c.text, ro.prompt.sample) for ro in rollouts for c in ro.completions]
         print(f"grading {len(items)} completions", file=sys.stderr)
         scores: list[Score] = verifier.score_batch(items)
 
     rows: list[dict] = []
     for ro in rollouts:
-        s = prompts[ro.sample].sample
+        s = ro.prompt.sample
         for k, c in enumerate(ro.completions):
             score = scores[len(rows)]
             keep = ~(c.forced & (c.tokens == tokenizer.eos_id))  # the length-limit EOS was not generated

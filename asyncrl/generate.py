@@ -80,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from asyncrl.inference.config import InferenceConfig
     from asyncrl.inference.engine import Request
     from asyncrl.inference.replicas import ReplicaSet
+    from asyncrl.inference.rollout import PromptRef
     from asyncrl.models import from_pretrained
     from asyncrl.models.tokenizer import Tokenizer
 
@@ -105,9 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     replicas = ReplicaSet(model, params, cfg, tokenizer, devices=jax.local_devices(), seed=args.seed, eos_id=eos)
     bar = tqdm(total=len(good), desc="generate", unit="prompt", file=sys.stderr)
-    rollouts = replicas.generate([Request(r.tokens, args.n, payload=r.line) for r in good], on_group=lambda _: bar.update(1))  # type: ignore[arg-type]
+    rollouts = replicas.generate([Request(r.tokens, args.n, PromptRef(i, r.line)) for i, r in enumerate(good)],
+                                 on_group=lambda _: bar.update(1))
     bar.close()
-    by_line = {ro.sample: ro for ro in rollouts}
+    by_line = {ro.prompt.sample: ro for ro in rollouts}
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         for r in rows:

@@ -20,7 +20,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from asyncrl.train.logprobs import fused_linear_selection
+from asyncrl.ops.logprobs import fused_linear_selection
 
 MiB = 2**20
 RESULTS = pathlib.Path(__file__).parent / "results" / "fused_logprobs.json"

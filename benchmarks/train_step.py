@@ -36,7 +36,7 @@ def peak_rss_bytes() -> int:
 
 def synthetic_rollouts(vocab: int, batch: int, group: int, prompt_len: int, completion_len: int, seed: int = 0):
     """`batch` sequences of exactly prompt_len + completion_len tokens, in groups with mixed 0/1 rewards."""
-    from asyncrl.inference.rollout import Completion, Rollout
+    from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 
     rng = np.random.default_rng(seed)
     out = []
@@ -45,7 +45,7 @@ def synthetic_rollouts(vocab: int, batch: int, group: int, prompt_len: int, comp
                             logprobs=-rng.uniform(0.5, 4.0, completion_len).astype(np.float32),
                             forced=np.zeros(completion_len, bool), versions=np.zeros(completion_len, np.int32),
                             reward=float(i % 2)) for i in range(group)]
-        out.append(Rollout(sample=SimpleNamespace(id=str(g), answer=""), group_size=group, completions=comps,
+        out.append(Rollout(prompt=PromptRef(g, SimpleNamespace(id=str(g), answer="")), group_size=group, completions=comps,
                            prompt_tokens=rng.integers(1, vocab, prompt_len).astype(np.int32)))
     return out
 
@@ -81,7 +81,7 @@ def run_jax(args) -> dict:
                       devices=jax.devices()[:1])
     trainer.init(jax.random.key(0))
     batch = build_batch(synthetic_rollouts(cfg.vocab_size, args.batch, args.group, args.prompt_len,
-                                           args.completion_len), 0, loss_cfg, pad_to_multiple=1)
+                                           args.completion_len), loss_cfg, pad_to_multiple=1)
     with jax.set_mesh(trainer.mesh):
         start = time.perf_counter()
         compiled = trainer._step_fn.lower(trainer.params, trainer.opt_state, shard_batch(batch, trainer.shardings),

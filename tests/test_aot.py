@@ -180,7 +180,7 @@ def test_cli_rejects_a_bad_topology():
 def test_roofline_from_aot_matches_the_formula_on_formula_figures(tmp_path):
     """Fed compiled figures that equal the blog's formulas, --from-aot picks the formula's split; a bad file is
     refused naming the flag."""
-    from asyncrl.orchestration.roofline import CHIPS, roofline
+    from asyncrl.aot.roofline import CHIPS, roofline
 
     chip, P8, K, T, Bd, lam = CHIPS["v5p"], 8e9, 131072.0, 4096, 44, 0.5
     ref = roofline(P8, K, T, Bd, lam, chip.flops, chip.bandwidth, 32, 4)

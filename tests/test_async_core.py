@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncrl.inference.rollout import Completion, Rollout
+from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.orchestration.evals import Evals
 from asyncrl.orchestration.feeder import Feeder, FeederError
 from asyncrl.orchestration.inference_worker import InferenceWorker
@@ -64,7 +64,7 @@ def sample_stream():
 def group(position, version, rewards, round_=-1):
     comps = [Completion(tokens=np.array([1, 2], np.int32), logprobs=np.zeros(2, np.float32), forced=np.zeros(2, bool),
                         versions=np.full(2, version, np.int32), reward=float(r)) for r in rewards]
-    return Rollout(sample=(position, round_, SimpleNamespace(id=f"s{position}", answer=str(position))),
+    return Rollout(prompt=PromptRef(position, SimpleNamespace(id=f"s{position}", answer=str(position)), round_),
                    prompt_tokens=np.array([3], np.int32), completions=comps, group_size=len(rewards), uid=position)
 
 
@@ -211,15 +211,15 @@ class Sim:
         try:
             for step in range(1, steps + 1):
                 def on(r, reason, step=step):
-                    self.feeder.consumed(r.sample[0], reason)
-                    self.order.append(r.sample[0])
-                    if r.sample[2].id != f"s{r.sample[0]}":
-                        self.wrong_sample.append(r.sample[0])
-                    (self.dropped.append((step, r.sample[0], reason)) if reason else None)
+                    self.feeder.consumed(r.prompt.position, reason)
+                    self.order.append(r.prompt.position)
+                    if r.prompt.id != f"s{r.prompt.position}":
+                        self.wrong_sample.append(r.prompt.position)
+                    (self.dropped.append((step, r.prompt.position, reason)) if reason else None)
                 kept, m = collect_rollouts(self.rollouts.poll, self.P, self.version, self.max_lag, self.zv,
                                            timeout_s=5, on_consumed=on, check=self.feeder.check, poll_s=0.05,
                                            pool=pool, urgent=urgent)
-                self.taken += [(step, r.sample[0]) for r in kept]
+                self.taken += [(step, r.prompt.position) for r in kept]
                 metrics.append(m)
                 time.sleep(self.step_s)
                 self.version += 1  # the step
@@ -357,20 +357,20 @@ def test_eval_pending_at_the_final_step_is_kept(tmp_path):
             self.pending_when_done = ev.pending  # the eval round out when the sync landed
             return {"weight_sync_s": 0.5}
 
-    tw = TrainerWorker.__new__(TrainerWorker)
-    tw.evals, tw._sync, tw._sync_m, tw._eval_blocked_s = ev, None, {}, 0.0
-    tw.cfg = type("C", (), {"weightsync": WeightSyncConfig()})()
+    tw = TrainerWorker.__new__(TrainerWorker)  # the trainer's hook that holds a launch until the sync landed
+    tw._sync, tw._sync_m, tw._eval_blocked_s = None, {}, 0.0
+    tw.cfg = SimpleNamespace(weightsync=WeightSyncConfig())
     ev.launch(0, 0)
     t = threading.Thread(target=serve, daemon=True)
-    assert tw._evals_at(1, 4, every=2) == {}  # round 0 not back yet (nothing serves): nothing to record
+    assert ev.at_step(1, 4, every=2) == {}  # round 0 not back yet (nothing serves): nothing to record
     t.start()
     assert wait_until(ev.ready)
     tw._sync = sync = Sync()
-    row2 = tw._evals_at(2, 4, every=2)  # collects round 0, launches round 2
+    row2 = ev.at_step(2, 4, every=2, before_launch=tw._await_sync_for_eval)  # collects round 0, launches round 2
     assert row2["eval/at_step"] == 0 and ev.pending[0] == 2
     # Round 2 went out only once step 2's weights had landed: an eval at step k runs with the weights of step k.
     assert sync.pending_when_done is None and tw._sync is None and tw._sync_m == {"weight_sync_s": 0.5}
-    row4 = tw._evals_at(4, 4, every=2)  # final step: round 2 is still pending -> waited for and recorded
+    row4 = ev.at_step(4, 4, every=2)  # final step: round 2 is still pending -> waited for and recorded
     stop.set()
     assert row4["eval/at_step"] == 4 and row4["eval/prompts"] == 3
     rows = [__import__("json").loads(x) for x in open(tmp_path / "evals.jsonl")]
@@ -500,11 +500,11 @@ def test_zero_variance_budget_fills_the_step_instead_of_sampling_forever():
         q.put(r)
     seen = []
     kept, m = collect_rollouts(q.poll, 4, 0, 0, drop_zero_variance=True, timeout_s=1, poll_s=0.05,
-                               on_consumed=lambda r, reason: seen.append((r.sample[0], reason)),
+                               on_consumed=lambda r, reason: seen.append((r.prompt.position, reason)),
                                zero_variance_budget=5)
     # 5 dropped, then zero-variance groups fill the batch next to the one group with variance.
     assert m["rollout/filtered_zero_variance"] == 5 and m["rollout/zero_variance_fillers"] == 3
-    assert [r.sample[0] for r in kept] == [5, 6, 7, 8]
+    assert [r.prompt.position for r in kept] == [5, 6, 7, 8]
     assert seen == [(p, "zero_variance") for p in range(5)] + [(p, None) for p in (5, 6, 7, 8)]
     from asyncrl.train.loss_config import LossConfig
     from asyncrl.train.losses import keep_sequences
@@ -526,7 +526,7 @@ def test_straggler_wait_is_bounded():
     assert 0.25 < time.time() - t0 < 5
     assert len(kept) == 3 and len(pool) == 1  # the 4th group is carried to the next step
     kept, m = collect_rollouts(q.poll, 1, 1, 1, timeout_s=30, poll_s=0.05, pool=pool, urgent=lambda: set())
-    assert [r.sample[0] for r in kept] == [3] and not pool
+    assert [r.prompt.position for r in kept] == [3] and not pool
 
 
 # ---- the trainer's side of the weight sync (weightsync.overlap) -------------------------------------------------

@@ -103,6 +103,8 @@ def test_missing_shard_named(good_folder, tmp_path):
         ("loss.name=cispo", r"loss\.epsilon_high=0\.2 is invalid for loss\.name=cispo.*learning-rate cut"),
         ("loss.is_mode=truncate", r"loss\.tis_cap=None.*is_mode=truncate"),
         ("loss.overlong_buffer=31", r"loss\.overlong_buffer=31.*< loss\.max_tokens=31"),  # the whole budget
+        ("logging.progress_every_n_steps=0", r"logging\.progress_every_n_steps=0.*>= 1"),
+        ("run.metrics_export_port=70000", r"run\.metrics_export_port=70000.*port"),
     ],
 )
 def test_malformed_config_override(override, pattern):

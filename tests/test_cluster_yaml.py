@@ -14,7 +14,7 @@ from ray._private.accelerators import tpu
 from ray._private.accelerators.tpu import TPUAcceleratorManager
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from asyncrl.orchestration.roofline import CHIPS
+from asyncrl.aot.roofline import CHIPS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLUSTER_YAMLS = sorted((REPO / "cluster").glob("*.yaml"))
@@ -109,6 +109,16 @@ def test_installs_this_project_with_token_auth(path: pathlib.Path) -> None:
     for cmd in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
         if " start " in cmd:
             assert "RAY_AUTH_MODE=token" in cmd
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_dashboard_listens_on_loopback_only(path: pathlib.Path) -> None:
+    """The head's dashboard and job API are reached through an SSH tunnel, never on a public interface."""
+    config = validate_cluster_yaml(path)
+    starts = [cmd for cmd in config["head_start_ray_commands"] if " start " in cmd]
+    assert starts and all("--dashboard-host=127.0.0.1" in cmd for cmd in starts), starts
+    assert "0.0.0.0" not in path.read_text()
+    assert "ray dashboard" in path.read_text() and "ssh -L" in path.read_text()  # the comment says how to tunnel
 
 
 def test_tpu_configs_share_setup() -> None:

@@ -7,12 +7,12 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from asyncrl.train.logprobs import (
-    DATA_AXES,
+from asyncrl.ops.logprobs import (
     fused_linear_selection,
     fused_logprobs_and_entropy,
     scale_for_temperature,
 )
+from asyncrl.sharding.axes import TOKEN_AXES
 
 N, D, V = 100, 32, 257  # N is not a multiple of any chunk size used below
 
@@ -95,7 +95,7 @@ def test_rejects_bad_arguments():
 def data_mesh(axis_type):
     if jax.device_count() < 8:
         pytest.skip("needs 8 (fake) devices; tests/conftest.py sets XLA_FLAGS for that")
-    return jax.make_mesh((2, 4, 1), DATA_AXES, axis_types=(axis_type,) * 3)
+    return jax.make_mesh((2, 4, 1), TOKEN_AXES, axis_types=(axis_type,) * 3)
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
@@ -106,7 +106,7 @@ def test_sharded_matches_single_device(axis_type, n):
     want_lp = naive(h, W, targets)
     mesh = data_mesh(axis_type)
     # An uneven token count cannot be split over 8 devices; it arrives replicated.
-    token_spec = P(DATA_AXES) if n % 8 == 0 else P(None)
+    token_spec = P(TOKEN_AXES) if n % 8 == 0 else P(None)
     with jax.set_mesh(mesh):
         hs = jax.device_put(h, NamedSharding(mesh, P(*token_spec, None)))
         ts = jax.device_put(targets, NamedSharding(mesh, token_spec))
@@ -129,9 +129,9 @@ def test_sharded_chunking_needs_no_all_to_all():
     spec = lambda *s: NamedSharding(mesh, P(*s))  # noqa: E731
     with jax.set_mesh(mesh):
         args = (
-            jax.ShapeDtypeStruct((512, D), jnp.float32, sharding=spec(DATA_AXES, None)),
+            jax.ShapeDtypeStruct((512, D), jnp.float32, sharding=spec(TOKEN_AXES, None)),
             jax.ShapeDtypeStruct((D, V - 1), jnp.float32, sharding=spec("fsdp", None)),
-            jax.ShapeDtypeStruct((512,), jnp.int32, sharding=spec(DATA_AXES)),
+            jax.ShapeDtypeStruct((512,), jnp.int32, sharding=spec(TOKEN_AXES)),
         )
         f = jax.value_and_grad(lambda h, W, t: jnp.sum(fused_linear_selection(h, W, t, 64)), argnums=(0, 1))
         hlo = jax.jit(f).lower(*args).compile().as_text()

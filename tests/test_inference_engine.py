@@ -11,6 +11,7 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.forcing import force_end_of_think, force_eos
 from asyncrl.inference.replicas import ReplicaSet
+from asyncrl.inference.rollout import PromptRef
 from asyncrl.models import Model, preset
 from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
 
@@ -31,7 +32,7 @@ def model_params():
 
 def _requests(tok, n=6, k=2):
     texts = ["3 1 4 1 5>", "9 2 6>", "5 3 5 8 9 7 9>", "3 2>", "8 4 6 2 6 4 3 3>", "8 3 2 7 9>", "5 0>", "2 8 8 4 1 9 7 1>"]
-    return [Request(tok.encode(t), k, payload=i) for i, t in enumerate(texts[:n])]
+    return [Request(tok.encode(t), k, PromptRef(i, t)) for i, t in enumerate(texts[:n])]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -200,7 +201,7 @@ def test_decode_chunks_return_to_the_host_without_changing_samples(model_params,
         eng.between_loops = hook
         outs[chunk] = eng.generate(_requests(tok, 6, 2))
         engines[chunk] = (eng, gaps)
-    toks = lambda out: [(r.sample, [c.tokens.tolist() for c in r.completions]) for r in out]  # noqa: E731
+    toks = lambda out: [(r.prompt.position, [c.tokens.tolist() for c in r.completions]) for r in out]  # noqa: E731
     assert toks(outs[1]) == toks(outs[3]) == toks(outs[10_000])
     for chunk in (1, 3):
         eng, gaps = engines[chunk]

@@ -9,6 +9,7 @@ import torch
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Request
 from asyncrl.inference.replicas import ReplicaSet
+from asyncrl.inference.rollout import PromptRef
 from asyncrl.models import from_pretrained
 from tests.hf_fixtures import save_hf_model
 
@@ -41,8 +42,8 @@ def test_engine_greedy_matches_transformers(setup):
     cfg = InferenceConfig(group_size=1, max_decode_batch_size=4, max_prefill_prompts=4, max_seq_len=64,
                           max_new_tokens=NEW, temperature=0.0, params_dtype="float32", kv_cache_dtype="float32")
     rs = ReplicaSet(model, params, cfg, None, devices=__import__("jax").devices()[:1], eos_id=EOS)
-    out = rs.generate([Request(p, 1, payload=i) for i, p in enumerate(prompts)])
-    assert [r.sample for r in out] == list(range(len(prompts)))
+    out = rs.generate([Request(p, 1, PromptRef(i, p)) for i, p in enumerate(prompts)])
+    assert [r.prompt.position for r in out] == list(range(len(prompts)))
     # max_decode_batch_size (4) < sequences (14): rows were substituted many times.
     assert rs.engines[0].stats.calls >= len(prompts)
     for r, ref in zip(out, refs):

@@ -5,7 +5,7 @@ passes are emulated here in NumPy on Qwen-like logits, against a float64 referen
 import ml_dtypes
 import numpy as np
 
-from asyncrl.train.logprobs import LM_HEAD_PRECISION
+from asyncrl.ops.logprobs import LM_HEAD_PRECISION
 
 
 def _bf16(x):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from asyncrl.orchestration.roofline import CHIPS, RooflineError, main, roofline, valid_train_workers
+from asyncrl.aot.roofline import CHIPS, RooflineError, roofline, valid_train_workers
+from asyncrl.aot.roofline_cli import main
 
 BLOG = dict(
     params=8e9,

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from asyncrl.tasks import MixtureTask, TaskConfig, TaskSourceConfig, VerifierConfig, build_task
 from asyncrl.tasks import config as config_module
-from asyncrl.tasks.math_files import DAPO_PREFIX, DAPO_SUFFIX
+from asyncrl.tasks.math_loader import DAPO_PREFIX, DAPO_SUFFIX
 
 PRESETS = os.path.join(os.path.dirname(__file__), "..", "configs", "task")
 

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.tasks import TaskConfig, TaskSourceConfig, build_task
-from asyncrl.tasks.math_files import DAPO_PREFIX, DAPO_SUFFIX, MathFileLoader, MathFileTask, detect_schema
+from asyncrl.tasks.math_files import MathFileTask
+from asyncrl.tasks.math_loader import DAPO_PREFIX, DAPO_SUFFIX, MathFileLoader, detect_schema
 from asyncrl.tasks.prompts import PromptFormat
 
 

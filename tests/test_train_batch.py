@@ -9,16 +9,18 @@ import queue
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl.inference.rollout import Completion, Rollout
+from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.models import params as params_lib
 from asyncrl.models.config import ModelConfig
 from asyncrl.train.batch import build_batch, combine_host_metrics, pad_batch
 from asyncrl.train.collect import RolloutTimeout, collect_rollouts
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import prepare_loss_inputs
+from asyncrl.train.step import with_loss_inputs
 
 
 def make_rollout(rng: np.random.Generator, uid: int, group_size: int, vocab: int, prompt_len: int, max_new: int,
@@ -38,7 +40,7 @@ def make_rollout(rng: np.random.Generator, uid: int, group_size: int, vocab: int
             tokens=rng.integers(1, vocab, n).astype(np.int32),
             logprobs=np.where(forced, 0.0, -rng.uniform(0.5, 5.0, n)).astype(np.float32),
             forced=forced, versions=versions, reward=reward, reason="correct" if reward else "wrong"))
-    return Rollout(sample=SimpleNamespace(id=f"s{uid}", answer="1"),
+    return Rollout(prompt=PromptRef(uid, SimpleNamespace(id=f"s{uid}", answer="1")),
                    prompt_tokens=rng.integers(1, vocab, prompt_len).astype(np.int32),
                    completions=completions, group_size=group_size, uid=uid)
 
@@ -75,14 +77,14 @@ def _completion(tokens, logprobs, forced, versions, reward) -> Completion:
 
 
 def test_build_batch_layout():
-    g0 = Rollout(sample=SimpleNamespace(id="a", answer=""), prompt_tokens=np.array([5, 6, 7], np.int32), group_size=2,
+    g0 = Rollout(prompt=PromptRef(0, SimpleNamespace(id="a", answer="")), prompt_tokens=np.array([5, 6, 7], np.int32), group_size=2,
                  completions=[_completion([10, 11, 12], [-1.0, -2.0, 0.0], [0, 0, 1], [3, 3, 4], 1.0),
                               _completion([13], [-0.5], [0], [4], 0.0)])
-    g1 = Rollout(sample=SimpleNamespace(id="b", answer=""), prompt_tokens=np.array([8], np.int32), group_size=2,
+    g1 = Rollout(prompt=PromptRef(1, SimpleNamespace(id="b", answer="")), prompt_tokens=np.array([8], np.int32), group_size=2,
                  completions=[_completion([20, 21, 22, 23, 24, 25, 26, 27, 28], [-0.1] * 9, [0] * 9, [5] * 9, 1.0),
                               _completion([30, 31], [-0.2, -0.3], [0, 0], [5, 5], 1.0)])
     cfg = LossConfig(name="dapo")
-    b = build_batch([g0, g1], version=6, loss_cfg=cfg, pad_to_multiple=8)
+    b = build_batch([g0, g1], loss_cfg=cfg, pad_to_multiple=8)
     assert b.tokens.shape == (4, 16) and b.tokens.dtype == np.int32  # longest row 10 -> next multiple of 8
     np.testing.assert_array_equal(b.tokens[0, :7], [5, 6, 7, 10, 11, 12, 0])
     np.testing.assert_array_equal(b.tokens[2, :11], [8, 20, 21, 22, 23, 24, 25, 26, 27, 28, 0])
@@ -93,32 +95,34 @@ def test_build_batch_layout():
     np.testing.assert_array_equal(b.loss_mask.sum(1), [2, 1, 9, 2])
     np.testing.assert_array_equal(b.group_ids, [0, 0, 1, 1])
     np.testing.assert_allclose(b.rewards, [1, 0, 1, 1])
-    np.testing.assert_allclose(b.group_mean, [0.5, 0.5, 1, 1])
-    np.testing.assert_allclose(b.group_std, [np.sqrt(0.5), np.sqrt(0.5), 0, 0], rtol=1e-6)
-    np.testing.assert_array_equal(b.lag, [3, 2, 1, 1])  # per row: 6 - its oldest token version
+    # Advantages and weights are the step's (computed once, over the global batch), not the host batch's.
+    assert not hasattr(b, "advantages") and not hasattr(b, "weights")
+    lb = with_loss_inputs(jax.tree.map(jnp.asarray, b), cfg)
     adv, w = prepare_loss_inputs(b.rewards, b.group_ids, b.loss_mask, cfg)
-    np.testing.assert_allclose(b.advantages, np.asarray(adv))
-    np.testing.assert_allclose(b.weights, np.asarray(w))
-    np.testing.assert_allclose(b.weights.sum(), 1.0, rtol=1e-6)  # token_mean over the whole batch
+    np.testing.assert_allclose(lb.advantages, np.asarray(adv))
+    np.testing.assert_allclose(lb.advantages[2:], [0, 0])  # group 1 has no variance
+    np.testing.assert_allclose(lb.weights, np.asarray(w))
+    np.testing.assert_allclose(lb.weights.sum(), 1.0, rtol=1e-6)  # token_mean over the whole batch
+    np.testing.assert_array_equal(lb.tokens, b.tokens)
 
 
 def test_build_batch_rejects_bad_input():
     r = make_rollouts(0, 1, 2, 50)[0]
     with pytest.raises(ValueError, match="does not fit seq_len"):
-        build_batch([r], 0, LossConfig(), seq_len=3)
+        build_batch([r], LossConfig(), seq_len=3)
     r.prompt_tokens = np.zeros((0,), np.int32)
-    with pytest.raises(ValueError, match="empty prompt"):
-        build_batch([r], 0, LossConfig())
+    with pytest.raises(ValueError, match=r"rollout 0 \(s0\) has an empty prompt"):  # the sample's real id
+        build_batch([r], LossConfig())
     r = make_rollouts(0, 1, 2, 50)[0]
     r.completions[1].reward = None
-    with pytest.raises(ValueError, match="unscored"):
-        build_batch([r], 0, LossConfig())
+    with pytest.raises(ValueError, match=r"rollout 0 \(s0\) has unscored completions"):
+        build_batch([r], LossConfig())
 
 
 def test_pad_batch_keeps_values():
-    b = build_batch(make_rollouts(0, 2, 2, 50), 0, LossConfig(), pad_to_multiple=16)
+    b = build_batch(make_rollouts(0, 2, 2, 50), LossConfig(), pad_to_multiple=16)
     p = pad_batch(b, 32)
-    assert p.tokens.shape == (4, 32) and p.weights.shape == (4, 32)
+    assert p.tokens.shape == (4, 32) and p.loss_mask.shape == (4, 32) and p.sampler_logprobs.shape == (4, 32)
     np.testing.assert_array_equal(p.tokens[:, :16], b.tokens)
     assert not p.loss_mask[:, 16:].any() and not p.tokens[:, 16:].any()
     with pytest.raises(ValueError):

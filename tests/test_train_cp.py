@@ -22,7 +22,7 @@ from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.mesh import shard_batch
-from asyncrl.train.step import make_loss_fn, split_micro_batches, with_global_loss_inputs
+from asyncrl.train.step import make_loss_fn, split_micro_batches, with_loss_inputs
 from asyncrl.train.trainer import Trainer
 from tests.test_train_batch import make_rollouts, random_params
 
@@ -47,7 +47,7 @@ def _trainer(mesh: MeshConfig, n_devices: int) -> Trainer:
 def _loss_and_grads(params, batch, model: Model):
     """`train_step` up to the optimizer: the summed micro-batch losses and gradients."""
     grad_fn = jax.value_and_grad(make_loss_fn(model, LOSS, 1.0, TRAIN.logprob_chunk_size), has_aux=True)
-    batch = with_global_loss_inputs(batch, LOSS)
+    batch = with_loss_inputs(batch, LOSS)
     micro = jax.tree.map(lambda x: split_micro_batches(x, ACCUM), batch)
 
     def body(acc, mb):
@@ -70,7 +70,7 @@ def _run(trainer: Trainer, batch):
 
 @pytest.fixture(scope="module")
 def batch():
-    return build_batch(make_rollouts(0, 4, 4, CFG.vocab_size), 0, LOSS, seq_len=T)
+    return build_batch(make_rollouts(0, 4, 4, CFG.vocab_size), LOSS, seq_len=T)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_cp_matches_cp1(batch, reference, n_devices, mesh):
 
 def test_cp_batch_length_must_divide():
     trainer = _trainer(MeshConfig(dp=1, fsdp=2, cp_ulysses=4), 8)
-    short = build_batch(make_rollouts(0, 4, 4, CFG.vocab_size), 0, LOSS, seq_len=18)
+    short = build_batch(make_rollouts(0, 4, 4, CFG.vocab_size), LOSS, seq_len=18)
     with jax.set_mesh(trainer.mesh), pytest.raises(ValueError, match="train.pad_to_multiple"):
         shard_batch(short, trainer.shardings)
 

@@ -46,7 +46,7 @@ def _step(trainer: Trainer, loss_cfg: LossConfig, grad_accum_steps: int, batch):
                                   for n in LOSS_NAMES])
 def test_four_micro_batches_equal_one_batch(trainer, name):
     loss_cfg = LossConfig(name=name, epsilon_high=1.0 if name == "cispo" else 0.2, max_tokens=64)
-    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), 0, loss_cfg, pad_to_multiple=16)
+    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), loss_cfg, pad_to_multiple=16)
     p1, o1, m1 = _step(trainer, loss_cfg, 1, batch)
     p4, o4, m4 = _step(trainer, loss_cfg, 4, batch)
     for k in m1:
@@ -59,7 +59,7 @@ def test_four_micro_batches_equal_one_batch(trainer, name):
 def test_remat_gives_the_same_update_with_less_activation_memory(trainer):
     """Activation checkpointing recomputes the layer activations: same update, smaller compiled temp memory."""
     loss_cfg = LossConfig()
-    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), 0, loss_cfg, pad_to_multiple=16)
+    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), loss_cfg, pad_to_multiple=16)
     p1, o1, m1 = _step(trainer, loss_cfg, 1, batch)
     remat = trainer.model.with_remat(True)
     fn = make_train_step(remat, trainer.tx, loss_cfg, trainer.schedule, trainer.shardings, 1, trainer.temperature,
@@ -74,7 +74,7 @@ def test_remat_gives_the_same_update_with_less_activation_memory(trainer):
 
     # The compiled step of a longer batch needs less scratch memory with remat (tiny model, 2 layers: the
     # saving is the per-layer MLP/attention intermediates of one of the two layers).
-    long = build_batch(make_rollouts(8, 8, 4, preset("tiny").vocab_size, prompt_len=16, max_new=96), 0, loss_cfg,
+    long = build_batch(make_rollouts(8, 8, 4, preset("tiny").vocab_size, prompt_len=16, max_new=96), loss_cfg,
                        pad_to_multiple=16)
 
     def temp_bytes(model):
@@ -90,7 +90,7 @@ def test_bf16_compute_keeps_fp32_master_state_and_tracks_the_fp32_update(trainer
     """train.compute_dtype=bfloat16: the matmuls run in bf16 (they are in the compiled program), the params and
     optimizer state stay fp32, and the gradient stays close to the fp32 one."""
     loss_cfg = LossConfig()
-    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), 0, loss_cfg, pad_to_multiple=16)
+    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), loss_cfg, pad_to_multiple=16)
     fn = make_train_step(trainer.model, trainer.tx, loss_cfg, trainer.schedule, trainer.shardings, 1,
                          trainer.temperature, chunk_size=64, compute_dtype=jnp.bfloat16)
     params = jax.tree.map(jnp.copy, trainer.params)

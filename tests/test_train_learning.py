@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl.inference.rollout import Completion, Rollout
+from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.models import Model, preset
 from asyncrl.train.batch import build_batch
 from asyncrl.train.collect import collect_rollouts
@@ -54,7 +54,7 @@ def _rollouts(prompts: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray, ver
     for p in range(len(prompts)):
         rows = range(p * GROUP, (p + 1) * GROUP)
         out.append(Rollout(
-            sample=SimpleNamespace(id=str(p), answer=str(TARGET)), prompt_tokens=prompts[p], group_size=GROUP, uid=p,
+            prompt=PromptRef(p, SimpleNamespace(id=str(p), answer=str(TARGET))), prompt_tokens=prompts[p], group_size=GROUP, uid=p,
             completions=[Completion(tokens=tokens[r], logprobs=logprobs[r], forced=np.zeros(NEW, bool),
                                     versions=np.full(NEW, version, np.int32), reward=float(tokens[r, 0] == TARGET))
                          for r in rows]))
@@ -93,7 +93,7 @@ def test_rl_learns_synthetic_reward(case):
         tokens, logprobs = jax.tree.map(np.asarray, sample(params, jnp.asarray(np.repeat(prompts, GROUP, 0)), sub))
         stream = iter(_rollouts(prompts, tokens, logprobs, trainer.version))
         groups, host = collect_rollouts(lambda timeout: next(stream), PROMPTS, trainer.version, max_lag=0)
-        metrics = trainer.step(build_batch(groups, trainer.version, loss_cfg, train_cfg.pad_to_multiple), host)
+        metrics = trainer.step(build_batch(groups, loss_cfg, train_cfg.pad_to_multiple), host)
         if step == 0:
             # On-policy: trainer and sampler logprobs agree, so every importance ratio is 1 (with several updates,
             # the ratio to the proximal policy moves after the first; the proximal/sampler weight is then 1).

@@ -53,7 +53,7 @@ def test_two_processes_match_one(tmp_path):
     ref.init(jax.random.key(0))
     ref_metrics = []
     for rollouts in setup.steps:
-        m = ref.step(build_batch(rollouts, ref.version, setup.loss_cfg, setup.train_cfg.pad_to_multiple))
+        m = ref.step(build_batch(rollouts, setup.loss_cfg, setup.train_cfg.pad_to_multiple))
         m.pop("train/step_time_s")
         ref_metrics.append(m)
 

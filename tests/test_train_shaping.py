@@ -8,11 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from asyncrl.inference.rollout import Completion, Rollout
+from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.models import Model, preset
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
+from asyncrl.train.losses import prepare_loss_inputs
 from asyncrl.train.shaping import overlong_penalty
 from asyncrl.train.trainer import Trainer
 from tests.test_train_batch import random_params
@@ -56,7 +57,7 @@ def make_group(vocab: int = 128, prompt_len: int = 3) -> list[Rollout]:
                                     logprobs=np.where(forced, 0.0, np.log(rng.uniform(0.1, 0.9, n))).astype(np.float32),
                                     forced=forced, versions=np.zeros(n, np.int32), finish_reason=finish,
                                     reward=reward))
-        out.append(Rollout(sample=SimpleNamespace(id=str(g)), prompt_tokens=rng.integers(1, vocab, prompt_len),
+        out.append(Rollout(prompt=PromptRef(g, SimpleNamespace(id=str(g))), prompt_tokens=rng.integers(1, vocab, prompt_len),
                            completions=comps, group_size=4, uid=g))
     return out
 
@@ -65,8 +66,8 @@ def test_build_batch_adds_the_penalty_to_the_reward_and_masks_truncated_samples(
     plain_cfg = LossConfig(name="dapo", epsilon_high=0.28, max_tokens=BUDGET)
     shaped_cfg = LossConfig(name="dapo", epsilon_high=0.28, max_tokens=BUDGET, overlong_buffer=BUFFER,
                             overlong_filter=True)
-    plain = build_batch(make_group(), 0, plain_cfg, pad_to_multiple=8)
-    shaped = build_batch(make_group(), 0, shaped_cfg, pad_to_multiple=8)
+    plain = build_batch(make_group(), plain_cfg, pad_to_multiple=8)
+    shaped = build_batch(make_group(), shaped_cfg, pad_to_multiple=8)
     lengths = np.array([n for n, _, _ in ROWS])
     truncated = np.array([f == "length" for _, f, _ in ROWS])
     want = np.array([-1.0 if t else dapo_length_penalty(n, BUDGET, BUFFER) for n, t in zip(lengths, truncated)])
@@ -74,15 +75,17 @@ def test_build_batch_adds_the_penalty_to_the_reward_and_masks_truncated_samples(
     np.testing.assert_allclose(shaped.rewards, np.array([r for _, _, r in ROWS]) + want, rtol=1e-6)
     np.testing.assert_array_equal(shaped.truncated, truncated)
     # Advantages come from the shaped rewards: a long correct answer now ranks below a short one.
-    assert shaped.advantages[1] < shaped.advantages[0] and plain.advantages[1] == plain.advantages[0]
+    shaped_adv, shaped_w = prepare_loss_inputs(shaped.rewards, shaped.group_ids, shaped.loss_mask, shaped_cfg)
+    plain_adv, _ = prepare_loss_inputs(plain.rewards, plain.group_ids, plain.loss_mask, plain_cfg)
+    assert shaped_adv[1] < shaped_adv[0] and plain_adv[1] == plain_adv[0]
     # Filtering: truncated rows carry no loss; the other rows keep theirs.
-    assert not shaped.loss_mask[truncated].any() and shaped.weights[truncated].sum() == 0
+    assert not shaped.loss_mask[truncated].any() and shaped_w[truncated].sum() == 0
     np.testing.assert_array_equal(shaped.loss_mask[~truncated], plain.loss_mask[~truncated])
     # Off (the default), nothing changes.
     assert not plain.overlong_penalty.any()
     np.testing.assert_array_equal(plain.rewards, [r for _, _, r in ROWS])
     with pytest.raises(ValueError, match=r"loss\.max_tokens is unset"):
-        build_batch(make_group(), 0, LossConfig(overlong_buffer=BUFFER), pad_to_multiple=8)
+        build_batch(make_group(), LossConfig(overlong_buffer=BUFFER), pad_to_multiple=8)
 
 
 def test_step_reports_how_many_samples_each_one_touched():
@@ -90,7 +93,7 @@ def test_step_reports_how_many_samples_each_one_touched():
     trainer = Trainer(Model(preset("tiny")), TrainConfig(train_batch_size=8), cfg,
                       ShardingConfig(mesh=MeshConfig(dp=1, fsdp=1)), devices=jax.devices()[:1])
     trainer.load(random_params(preset("tiny")))
-    m = trainer.step(build_batch(make_group(), 0, cfg, pad_to_multiple=8))
+    m = trainer.step(build_batch(make_group(), cfg, pad_to_multiple=8))
     truncated = sum(f == "length" for _, f, _ in ROWS)
     penalized = sum(f == "length" or n > BUDGET - BUFFER for n, f, _ in ROWS)
     assert (m["train/samples_truncated"], m["train/overlong_filtered"], m["train/overlong_penalized"]) == (

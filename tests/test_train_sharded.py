@@ -17,7 +17,7 @@ from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.mesh import shard_batch
-from asyncrl.train.step import make_loss_fn, with_global_loss_inputs
+from asyncrl.train.step import make_loss_fn, with_loss_inputs
 from asyncrl.train.trainer import Trainer
 from tests.test_train_batch import make_rollouts, random_params
 
@@ -35,7 +35,7 @@ def _trainer(mesh: MeshConfig, devices=None, **sharding) -> Trainer:
 def _grads(trainer: Trainer, batch):
     loss_fn = make_loss_fn(trainer.model, LOSS, trainer.temperature, TRAIN.logprob_chunk_size)
     with jax.set_mesh(trainer.mesh):
-        g = jax.jit(jax.grad(lambda p, b: loss_fn(p, with_global_loss_inputs(b, LOSS))[0]))(
+        g = jax.jit(jax.grad(lambda p, b: loss_fn(p, with_loss_inputs(b, LOSS))[0]))(
             trainer.params, shard_batch(batch, trainer.shardings))
     return jax.tree.map(np.asarray, g)
 
@@ -47,7 +47,7 @@ def _assert_trees_close(a, b, atol):
 
 def _batches():
     vocab = preset("tiny").vocab_size
-    return [build_batch(make_rollouts(seed, 8, 4, vocab), 0, LOSS, seq_len=16) for seed in (0, 1)]
+    return [build_batch(make_rollouts(seed, 8, 4, vocab), LOSS, seq_len=16) for seed in (0, 1)]
 
 
 def test_fsdp_dp_step_matches_single_device():
@@ -125,7 +125,7 @@ def test_two_updates_with_correction_kl_and_offload_match_single_device():
     sharded = make(MeshConfig(dp=2, fsdp=4), opt_state_offload=True)
     assert sharded.shardings.offloaded
     assert {x.sharding.memory_kind for x in jax.tree.leaves(sharded.ref_params)} == {"pinned_host"}
-    for batch in [build_batch(make_rollouts(seed, 8, 4, preset("tiny").vocab_size), 0, loss, seq_len=16)
+    for batch in [build_batch(make_rollouts(seed, 8, 4, preset("tiny").vocab_size), loss, seq_len=16)
                   for seed in (0, 1)]:
         m1, m8 = single.step(batch), sharded.step(batch)
         for k in m1.keys() - {"train/step_time_s"}:

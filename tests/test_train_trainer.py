@@ -46,7 +46,7 @@ def test_load_state_dict_and_inference_copy():
     assert jax.tree.structure(other.opt_state) == jax.tree.structure(t.opt_state)
 
     with pytest.raises(ValueError, match="train.train_batch_size=8"):
-        t.step(build_batch(make_rollouts(0, 1, 2, model.cfg.vocab_size), 0, LossConfig()))
+        t.step(build_batch(make_rollouts(0, 1, 2, model.cfg.vocab_size), LossConfig()))
 
     abstract = t.abstract_state()
     assert isinstance(abstract["params"], Params)

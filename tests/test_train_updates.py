@@ -88,7 +88,7 @@ def as_dict(batch) -> dict[str, jax.Array]:
 def test_one_update_without_correction_is_bit_identical_to_the_single_update_step():
     loss_cfg = LossConfig(name="grpo")
     trainer = make_trainer(loss_cfg)
-    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), 0, loss_cfg, pad_to_multiple=16)
+    batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), loss_cfg, pad_to_multiple=16)
     fn = make_train_step(trainer.model, trainer.tx, loss_cfg, trainer.schedule, trainer.shardings, 2,
                          trainer.temperature, CHUNK)
     with jax.set_mesh(trainer.mesh):
@@ -153,7 +153,7 @@ def k_update_reference(trainer: Trainer, loss_cfg: LossConfig, batch, k: int, gr
 def test_four_updates_equal_a_reference_loop_against_one_proximal_policy(correction):
     loss_cfg = LossConfig(name="grpo", tis_cap=2.0 if correction else None)
     trainer = make_trainer(loss_cfg, updates_per_step=4)
-    batch = build_batch(make_rollouts(5, 8, 4, preset("tiny").vocab_size), 0, loss_cfg, pad_to_multiple=16)
+    batch = build_batch(make_rollouts(5, 8, 4, preset("tiny").vocab_size), loss_cfg, pad_to_multiple=16)
     fn = make_train_step(trainer.model, trainer.tx, loss_cfg, trainer.schedule, trainer.shardings, 2,
                          trainer.temperature, CHUNK, updates_per_step=4)
     with jax.set_mesh(trainer.mesh):
@@ -199,7 +199,7 @@ def test_kl_to_the_initial_params_rises_from_zero(ref_offload):
     ref_before = jax.tree.map(np.asarray, trainer.ref_params)
     kls = []
     for step in range(4):
-        batch = build_batch(make_rollouts(10 + step, 8, 4, preset("tiny").vocab_size), trainer.version, loss_cfg,
+        batch = build_batch(make_rollouts(10 + step, 8, 4, preset("tiny").vocab_size), loss_cfg,
                             pad_to_multiple=16)
         kls.append(trainer.step(batch)["train/kl"])
     assert abs(kls[0]) < 1e-6, kls  # the first step's params are the reference
@@ -212,16 +212,16 @@ def test_kl_to_the_initial_params_rises_from_zero(ref_offload):
 def test_kl_gradient_matches_finite_differences():
     """d/d eps of the step's loss at params + eps * v, with advantages 0 so that only the KL term is left: the
     gradient (through the fused logprobs' custom VJP) dotted with v, against a central difference."""
-    from asyncrl.train.step import frozen_logprobs, make_loss_fn
+    from asyncrl.train.step import frozen_logprobs, make_loss_fn, with_loss_inputs
 
     loss_cfg = LossConfig(name="grpo", kl_coef=1.0)
     model = Model(preset("tiny"))
     params = jax.tree.map(jnp.asarray, random_params(preset("tiny"), 0))
     ref = jax.tree.map(lambda p, q: p + 0.3 * jnp.asarray(q), params, random_params(preset("tiny"), 1))
     direction = jax.tree.map(jnp.asarray, random_params(preset("tiny"), 2))
-    batch = build_batch(make_rollouts(4, 4, 4, preset("tiny").vocab_size), 0, loss_cfg, pad_to_multiple=16)
-    batch = dataclasses.replace(batch, advantages=np.zeros_like(batch.advantages))
-    batch = jax.tree.map(jnp.asarray, batch)
+    batch = build_batch(make_rollouts(4, 4, 4, preset("tiny").vocab_size), loss_cfg, pad_to_multiple=16)
+    batch = with_loss_inputs(jax.tree.map(jnp.asarray, batch), loss_cfg)
+    batch = dataclasses.replace(batch, advantages=jnp.zeros_like(batch.advantages))
     frozen = {"ref": frozen_logprobs(model, ref, batch, 1, 1, 1.0, CHUNK)[0, 0]}
     loss = make_loss_fn(model, loss_cfg, 1.0, CHUNK)
     f = jax.jit(lambda eps: loss(jax.tree.map(lambda p, v: p + eps * v, params, direction), batch, frozen)[0])

@@ -70,7 +70,7 @@ def main() -> None:
     for step, rollouts in enumerate(setup.steps):
         per_host = len(rollouts) // args.num_processes
         local = rollouts[args.process_id * per_host:(args.process_id + 1) * per_host]
-        batch = build_batch(local, trainer.version, setup.loss_cfg, setup.train_cfg.pad_to_multiple)
+        batch = build_batch(local, setup.loss_cfg, setup.train_cfg.pad_to_multiple)
         host = {"rollout/lag_max": float(args.process_id + step), "rollout/filtered_lag": 1.0}
         metrics = trainer.step(batch, host_metrics=host)
         metrics.pop("train/step_time_s")

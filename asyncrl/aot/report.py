@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from asyncrl.orchestration.roofline import CHIPS, ChipSpec
+from asyncrl.aot.roofline import CHIPS, ChipSpec
 
 GiB = 2**30
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.orchestration.roofline import CHIPS, RooflineError, Split, allocate
+from asyncrl.aot.roofline import CHIPS, RooflineError, Split, allocate
 
 
 @dataclass(frozen=True)

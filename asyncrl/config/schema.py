@@ -26,7 +26,10 @@ class ModelSection:
     tokenizer: Optional[str] = None
     """Tokenizer folder; defaults to `path`. For presets without one, a character tokenizer is built."""
     dtype: str = "float32"
-    """Master param dtype in the trainer (the blog keeps params and optimizer state in fp32)."""
+    """The dtype a checkpoint's weights (model.path / model.source) are read in, before the trainer casts them to
+    its master copy: bfloat16 halves the load's host memory but rounds the weights once. The master params and
+    optimizer state are always fp32, as in the blog; `train.compute_dtype` sets the trainer's matmul dtype and
+    `inference.params_dtype` the inference hosts' weights."""
     arch: Dict[str, Any] = field(default_factory=dict)
     """Field overrides applied to the preset's ModelConfig, e.g. {num_layers: 4}."""
 

@@ -15,11 +15,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
-from asyncrl.inference.rollout import Rollout
+from asyncrl.inference.rollout import PromptRef, Rollout
 from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.models.transformer import Model
 from asyncrl.sharding.rules import tensor_parallel_rules
@@ -106,8 +106,9 @@ class ReplicaSet:
             e.set_params(place_params(params, e.model.param_shardings(e.mesh)), version)
 
     def generate(self, requests: Sequence[Request], on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
-        """Sample every request; rollouts come back in request order (payload order is kept by index)."""
-        indexed = [Request(r.tokens, r.n, (i, r.payload), r.is_eval, r.uid if r.uid is not None else i)
+        """Sample every request; rollouts come back in request order (each request's prompt is wrapped in one
+        that carries its index, and unwrapped at the end)."""
+        indexed = [Request(r.tokens, r.n, PromptRef(i, r.prompt), r.is_eval, r.uid if r.uid is not None else i)
                    for i, r in enumerate(requests)]
         chunks: "queue.Queue[list[Request]]" = queue.Queue()
         step = self.cfg.max_prefill_prompts
@@ -142,7 +143,7 @@ class ReplicaSet:
             t.join()
         if errors:
             raise errors[0]
-        results.sort(key=lambda r: r.sample[0])
+        results.sort(key=lambda r: r.prompt.position)
         for r in results:
-            r.sample = r.sample[1]
+            r.prompt = r.prompt.sample
         return results

@@ -9,7 +9,7 @@ known per token and not only per sample.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,11 +49,28 @@ class Completion:
         return [(int(i), int(v[i])) for i in np.nonzero(np.diff(v))[0] + 1] if len(v) > 1 else []
 
 
+class PromptRef(NamedTuple):
+    """Which prompt a request (and so its rollout) answers. It rides from the prompt queue through the engine to
+    the trainer unchanged."""
+
+    position: int
+    """Data position: orders a step's batch, seeds the prompt's samples, and is what the feeder accounts for
+    (evals: `EVAL_POSITION_BASE` + index in the eval set; the CLIs: the request's index)."""
+    sample: Any
+    """The task's `Sample` (id, prompt, gold answer) in a run; whatever a CLI attaches otherwise."""
+    eval_round: int = -1
+    """The eval round it belongs to; -1 for a train prompt."""
+
+    @property
+    def id(self) -> str:
+        return str(self.sample.id)
+
+
 @dataclass
 class Rollout:
     """One prompt and its group of completions."""
 
-    sample: Any  # asyncrl.tasks.base.Sample: id, prompt, gold answer, metadata
+    prompt: PromptRef | None  # what the request carried (None: a bare request)
     prompt_tokens: np.ndarray  # [p] int32
     completions: list[Completion] = field(default_factory=list)
     group_size: int = 1
@@ -71,11 +88,14 @@ class Rollout:
         return min((int(c.versions.min()) for c in self.completions if len(c.versions)), default=0)
 
     @property
-    def newest_version(self) -> int:
-        return max((int(c.versions.max()) for c in self.completions if len(c.versions)), default=0)
+    def label(self) -> str:
+        """For messages: the sample's id, or the data position of a request that carried no task sample."""
+        if self.prompt is None:
+            return "no prompt ref"
+        return self.prompt.id if hasattr(self.prompt.sample, "id") else f"position {self.prompt.position}"
 
     @property
     def rewards(self) -> np.ndarray:
         if any(c.reward is None for c in self.completions):
-            raise ValueError(f"rollout {self.uid} ({getattr(self.sample, 'id', '?')}) has unscored completions")
+            raise ValueError(f"rollout {self.uid} ({self.label}) has unscored completions")
         return np.asarray([c.reward for c in self.completions], np.float32)

@@ -1,6 +1,6 @@
 """Temperature sampling, and THE definition of a sampler logprob.
 
-Logprob semantics (shared with the trainer, see `asyncrl/train/logprobs.py`):
+Logprob semantics (shared with the trainer, see `asyncrl/ops/logprobs.py`):
     logprob(token) = log_softmax(logits / temperature)[token]      for temperature > 0
     logprob(token) = log_softmax(logits)[token]                    for temperature == 0 (greedy: argmax)
 i.e. the log-probability under the distribution the token was actually drawn from. The trainer recomputes the

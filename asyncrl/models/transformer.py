@@ -36,8 +36,8 @@ from asyncrl.models.attention import attention, cached_attention
 from asyncrl.models.kvcache import KV_AXES, LENGTH_AXES, KVCache, write_new, write_prefix
 from asyncrl.models.params import LayerParams, Params
 from asyncrl.models.rope import apply_rope, rope_tables
-from asyncrl.sharding.rules import ShardingRules
-from asyncrl.train.logprobs import fused_linear_selection
+from asyncrl.sharding.rules import ShardingRules, drop_axes, spec_entry
+from asyncrl.ops.logprobs import fused_linear_selection
 
 _LOGPROB_CHUNK = 1024  # tokens per fused LM-head chunk in `get_logprobs`: bounds the [chunk, V] fp32 temporary
 
@@ -53,18 +53,6 @@ def _explicit_mesh():
     """The active mesh if it has Explicit axes (sharding in types), else None."""
     m = jax.sharding.get_abstract_mesh()
     return None if m.empty or not m.explicit_axes else m
-
-
-def _entry(axes: tuple[str, ...]) -> Any:
-    """Mesh axes -> one PartitionSpec entry."""
-    return None if not axes else (axes[0] if len(axes) == 1 else axes)
-
-
-def _drop_axes(entry: Any, drop: set[str]) -> Any:
-    if entry is None:
-        return None
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in drop)
-    return None if not kept else (kept[0] if len(kept) == 1 else kept)
 
 
 @dataclass(frozen=True)
@@ -133,12 +121,12 @@ class Model:
 
     def _act_spec(self, mesh, ndim: int, seq: tuple[str, ...] = ()) -> P:
         """[B, T, ...] activations: B over the batch axes, T over `seq` (empty unless context parallel)."""
-        return P(_entry(self._batch_axes(mesh)), *([_entry(seq)] if ndim > 1 else []), *([None] * (ndim - 2)))
+        return P(spec_entry(self._batch_axes(mesh)), *([spec_entry(seq)] if ndim > 1 else []), *([None] * (ndim - 2)))
 
     def _token_spec(self, mesh, ndim: int) -> P:
         """[B*T, ...] flattened positions: merging a B split over the batch axes with a T split over the seq axes
         is a split over both, in that order, so flattening moves no data."""
-        return P(_entry(self._batch_axes(mesh) + self.seq_axes(mesh)), *([None] * (ndim - 1)))
+        return P(spec_entry(self._batch_axes(mesh) + self.seq_axes(mesh)), *([None] * (ndim - 1)))
 
     def _check_context_parallel(self, T: int, seq: tuple[str, ...], mesh) -> None:
         n = math.prod(mesh.shape[a] for a in seq)
@@ -163,7 +151,7 @@ class Model:
         r = n // math.gcd(k.shape[2], n)
         if r > 1:
             k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
-        heads = P(_entry(self._batch_axes(mesh)), None, _entry(seq), None)
+        heads = P(spec_entry(self._batch_axes(mesh)), None, spec_entry(seq), None)
         return tuple(jax.sharding.reshard(x, heads) for x in (q, k, v))  # type: ignore[return-value]
 
     def _use(self, w: jax.Array) -> jax.Array:
@@ -173,7 +161,7 @@ class Model:
             return w
         spec = jax.typeof(w).sharding.spec
         drop = self._data_axes(mesh)
-        new = P(*[_drop_axes(e, drop) for e in spec])
+        new = P(*[drop_axes(e, drop) for e in spec])
         return w if tuple(new) == tuple(spec) else jax.sharding.reshard(w, new)
 
     def _project_heads(self, a: jax.Array, w: jax.Array) -> jax.Array:
@@ -379,7 +367,7 @@ class Model:
         h, _ = self.apply(params, tokens, seq_lens, apply_lm_head=False)
         h = h / (temperature if temperature > 0 else 1.0)  # [B, T, D]; (h / t) @ W == logits / t
         B, T, _ = h.shape
-        # The fused LM head never materialises [B, T, V] logits (the trainer's path, see train/logprobs.py).
+        # The fused LM head never materialises [B, T, V] logits (the trainer's path, see ops/logprobs.py).
         lp = fused_linear_selection(self.flatten_positions(h), self.lm_head_weight(params),
                                     self.flatten_positions(self.next_token_targets(tokens)), _LOGPROB_CHUNK)
         valid = jnp.arange(T - 1)[None, :] < (seq_lens[:, None] - 1)

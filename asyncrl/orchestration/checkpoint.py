@@ -50,7 +50,7 @@ class TrainerCheckpoints:
             force=True,
         )
         self.manager.wait_until_finished()
-        log.info("checkpoint %d saved to %s", step, self.directory)
+        log.debug("checkpoint %d saved to %s", step, self.directory)
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Returns arrays to be placed by the caller (host-local leaves come back as NumPy)."""
@@ -63,6 +63,33 @@ class TrainerCheckpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def has_checkpoint(run_dir: str) -> bool:
+    d = os.path.join(run_dir, "checkpoints")
+    return os.path.isdir(d) and any(x.isdigit() for x in os.listdir(d))
+
+
+def open_checkpoints(cfg: Any, run_dir: str) -> TrainerCheckpoints | None:
+    """The run's checkpoints, or None when it neither saves (`checkpoint.every_n_steps`) nor resumes."""
+    if not (cfg.checkpoint.every_n_steps or cfg.checkpoint.resume):
+        return None
+    return TrainerCheckpoints(os.path.join(run_dir, "checkpoints"), cfg.checkpoint.keep, cfg.async_.train_workers)
+
+
+def resume_latest(ckpt: TrainerCheckpoints, trainer: Any) -> dict[str, Any]:
+    """Load the latest checkpoint into `trainer` (params, optimizer state, counters, RNG); returns its meta (the
+    data stream's state for the feeder), or {} when there is none."""
+    step = ckpt.latest_step()
+    if step is None:
+        return {}
+    state, meta = ckpt.restore(step, trainer.abstract_state())
+    if meta.get("rng") is not None:  # JSON turned the key data into plain ints
+        meta["rng"] = np.asarray(meta["rng"], np.uint32)
+    trainer.load_state_dict(meta, state["params"], state["opt_state"])
+    log.info("resumed from checkpoint step %d (data position %d, %d prompts in flight)", step,
+             int(meta["position"]), len(meta.get("in_flight", [])))
+    return meta
 
 
 def _local_only(sharding: Any) -> bool:

@@ -77,13 +77,18 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     level: str = "INFO"
-    """Python log level for every process."""
+    """Python log level for every process. At INFO the console shows the progress, warnings, errors and a few
+    one-time lines; per-step and per-sync lines (weights received, checkpoints saved) are DEBUG."""
     tensorboard: bool = True
     """Write tensorboardX events to run_dir/tb."""
     ray_metrics: bool = True
     """Export metrics as Ray Gauges (visible in the Ray dashboard)."""
     progress: bool = True
-    """Show a live progress line on the driver."""
+    """Show the run's progress on the driver: one live bar (step, reward, last eval, lag, tokens/s, ETA) when
+    stderr is a terminal, else a plain line every `progress_every_n_steps` steps."""
+    progress_every_n_steps: int = 10
+    """Without a terminal (CI, `ray job logs`, a pipe): print one progress line every this many steps, and at the
+    last step."""
     rollouts_every_n_steps: int = 0
     """Every this many steps, append the step's trained rollouts (text, reward, reason, per-token weight versions
     run-length encoded) to run_dir/rollouts.jsonl. 0 disables."""
@@ -91,6 +96,7 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         check_choice("logging.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
         check("logging.rollouts_every_n_steps", self.rollouts_every_n_steps, self.rollouts_every_n_steps >= 0, ">= 0")
+        check("logging.progress_every_n_steps", self.progress_every_n_steps, self.progress_every_n_steps >= 1, ">= 1")
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,15 @@ class RunConfig:
     stall_timeout_s: float = 1800.0
     """The driver dumps every host's thread stacks (to stderr and run_dir/stacks.txt) and fails the run when no
     step is published for this long (the first step includes compilation). 0 turns the detector off."""
+    dashboard: bool = False
+    """Local runs (no RAY_ADDRESS): start the embedded Ray cluster with its dashboard on 127.0.0.1 and print its
+    URL and the Prometheus metrics URL (the `asyncrl_*` gauges, with `logging.ray_metrics`). Clusters configure
+    their own dashboard (cluster/*.yaml: loopback, reached through an SSH tunnel)."""
+    dashboard_port: int = 8265
+    """Port of the local dashboard (`run.dashboard`)."""
+    metrics_export_port: Optional[int] = None
+    """Port of the local cluster's Prometheus endpoint (http://127.0.0.1:PORT/metrics, `run.dashboard`); None lets
+    Ray pick a free one (the URL is printed)."""
     tpu_topology: Optional[str] = None
     """The TPU slice this config targets, in libtpu's naming (e.g. v5p:2x4x4 for a v5p-64): `launch.py aot`
     compiles every program for it when no --topology is given."""
@@ -125,6 +140,10 @@ class RunConfig:
         check_choice("run.platform", self.platform, ("auto", "cpu", "tpu", "gpu"))
         check("run.startup_timeout_s", self.startup_timeout_s, self.startup_timeout_s > 0, "> 0")
         check("run.stall_timeout_s", self.stall_timeout_s, self.stall_timeout_s >= 0, ">= 0 (0 = off)")
+        check("run.dashboard_port", self.dashboard_port, 0 < self.dashboard_port < 65536, "a port in (0, 65536)")
+        if self.metrics_export_port is not None:
+            check("run.metrics_export_port", self.metrics_export_port, 0 < self.metrics_export_port < 65536,
+                  "a port in (0, 65536), or null (Ray picks one)")
         if self.tpu_topology is not None:
             check("run.tpu_topology", self.tpu_topology, re.match(r"^(v5p|v6e|v5e):\d+(x\d+)+$", self.tpu_topology)
                   is not None, "a libtpu topology name such as v5p:2x4x4, v6e:2x4 or v5e:2x4")

@@ -1,8 +1,10 @@
 """The Ray driver: connect, place one host actor per host, join them with jax.distributed, watch, restart.
 
 Locally (no RAY_ADDRESS) it starts its own Ray cluster and simulates `run.hosts` hosts, each a process with
-`run.devices_per_host` fake CPU devices. On a TPU cluster it finds the TPU hosts and places one actor on each
-with a STRICT_SPREAD placement group.
+`run.devices_per_host` fake CPU devices. Their JAX coordinator and CPU transfer sockets bind to 127.0.0.1, and
+with `run.dashboard` so does the dashboard. (Ray's own services keep Ray's node IP: on Linux Ray turns a loopback
+node address back into the machine's, and they sit behind Ray's token auth.) On a TPU cluster it finds the TPU hosts and places one actor
+on each with a STRICT_SPREAD placement group; they bind to their node's IP.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import ray
 from asyncrl.config.loader import to_yaml
 from asyncrl.orchestration.host import HostActor, HostResult, role_of
 from asyncrl.orchestration.metrics import MetricsSink
+from asyncrl.orchestration.progress import Progress
 from asyncrl.orchestration.queues import make_queues
 
 log = logging.getLogger("asyncrl.driver")
@@ -49,6 +52,9 @@ def latest_checkpoint(run_dir: str) -> int | None:
     return max(steps) if steps else None
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def _connect(cfg: Any) -> bool:
     """Returns True if this driver started the cluster (and so must shut it down)."""
     if ray.is_initialized():
@@ -57,8 +63,22 @@ def _connect(cfg: Any) -> bool:
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
         return False
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": {"PYTHONPATH": _project_root()}})
+    extra: dict[str, Any] = {}
+    if cfg.run.dashboard:
+        extra = {"dashboard_host": LOOPBACK, "dashboard_port": cfg.run.dashboard_port}
+        if cfg.run.metrics_export_port is not None:
+            extra["_metrics_export_port"] = cfg.run.metrics_export_port
+    # address="local": always a new cluster of our own, never one that `ray start` left running on this machine.
+    ctx = ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=cfg.run.dashboard,
+                   logging_level=logging.WARNING,
+                   runtime_env={"env_vars": {"PYTHONPATH": _project_root()}}, **extra)
+    if cfg.run.dashboard:
+        port = next((n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive")), None)
+        if not ctx.dashboard_url:  # e.g. the port is taken; the run itself does not need it
+            log.warning("run.dashboard: Ray did not start its dashboard on port %d", cfg.run.dashboard_port)
+        else:
+            print(f"[asyncrl] Ray dashboard: http://{ctx.dashboard_url}   Prometheus metrics: "
+                  f"http://{LOOPBACK}:{port}/metrics", file=sys.stderr, flush=True)
     return True
 
 
@@ -70,7 +90,7 @@ def _tpu_hosts() -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("TPU", 0) > 0]
 
 
-def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any]) -> tuple[list[Any], Any]:
+def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any], bind_ip: str | None) -> tuple[list[Any], Any]:
     tpu = _tpu_hosts() if cfg.run.platform in ("auto", "tpu") else []
     env = {"PYTHONPATH": _project_root(), "TOKENIZERS_PARALLELISM": "false"}
     for var in ("ASYNCRL_STACK_DUMP_S", "ASYNCRL_FAULTS"):  # debugging and fault injection (faults.py)
@@ -88,7 +108,7 @@ def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any]) -> tuple[list[A
         # max_concurrency=2: `dump_stacks` must run while `run` is busy (the stall detector's stack dumps).
         actors = [Actor.options(num_cpus=1, resources={"TPU": chips}, runtime_env={"env_vars": env}, max_concurrency=2,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-                                ).remote(i, n, cfg, run_dir, queues) for i in range(n)]
+                                ).remote(i, n, cfg, run_dir, queues, bind_ip) for i in range(n)]
         return actors, pg
     n = cfg.run.hosts
     env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.run.devices_per_host}",
@@ -96,7 +116,7 @@ def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any]) -> tuple[list[A
     # Simulated hosts take no CPU reservation: a 2-core laptop must fit every one of them.
     Actor = ray.remote(HostActor)
     actors = [Actor.options(num_cpus=0, max_restarts=0, max_concurrency=2, runtime_env={"env_vars": env}
-                            ).remote(i, n, cfg, run_dir, queues)
+                            ).remote(i, n, cfg, run_dir, queues, bind_ip)
               for i in range(n)]
     return actors, None
 
@@ -110,8 +130,12 @@ def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any, hosts: list[di
     # Simulated hosts run on this machine: make sure none survives its actor (a process that is still exiting can
     # hang in a collective with a dead peer). Remote hosts are their raylets' business.
     here = socket.gethostname()
+    local = [h["pid"] for h in hosts or [] if h.get("host") == here and h.get("pid") and h["pid"] != os.getpid()]
+    deadline = time.monotonic() + 5.0  # ray.kill is asynchronous: a killed actor needs a moment to go
+    while local and time.monotonic() < deadline and any(_alive(p) for p in local):
+        time.sleep(0.1)
     for h in hosts or []:
-        if h.get("host") == here and h.get("pid") and h["pid"] != os.getpid():
+        if h.get("pid") in local and _alive(h["pid"]):
             try:
                 os.kill(h["pid"], signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -127,23 +151,40 @@ def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any, hosts: list[di
         remove_placement_group(pg)
 
 
-def _attempt(cfg: Any, run_dir: str, sink: MetricsSink) -> dict[str, Any]:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (killed, not yet reaped) has exited
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _attempt(cfg: Any, run_dir: str, sink: MetricsSink, bind_ip: str | None) -> dict[str, Any]:
+    """One try at the run. `bind_ip`: where the hosts listen (the coordinator, the transfer sockets); None = their
+    node's IP."""
     n_hosts = len(_tpu_hosts()) if (cfg.run.platform in ("auto", "tpu") and _tpu_hosts()) else cfg.run.hosts
     tw = cfg.async_.train_workers
     if not (0 < tw < n_hosts and n_hosts % tw == 0):
         raise ValueError(f"async.train_workers={tw} must be in (0, {n_hosts}) and divide the {n_hosts} hosts")
     queues = make_queues(cfg.prompts_per_step, n_hosts - tw, cfg.async_.rollout_queue_size, cfg.async_.queue_timeout_s,
                          eval_prompts=cfg.eval.num_prompts)
-    actors, pg = _make_actors(cfg, run_dir, queues)
+    actors, pg = _make_actors(cfg, run_dir, queues, bind_ip)
     info: list[dict[str, Any]] = []
     try:
         timeout = cfg.run.startup_timeout_s
         info = ray.get([a.ping.remote() for a in actors], timeout=timeout)
         port = ray.get(actors[0].free_port.remote(), timeout=timeout)
         coordinator = f"{info[0]['ip']}:{port}"
-        log.info("joining %d hosts via jax.distributed at %s", len(actors), coordinator)
-        ray.get([a.start_jax.remote(coordinator, timeout) for a in actors], timeout=timeout + 30)
-        hosts = [{**h, "role": role_of(h["rank"], tw)} for h in info]
+        log.debug("joining %d hosts via jax.distributed at %s", len(actors), coordinator)
+        joined = ray.get([a.start_jax.remote(coordinator, timeout) for a in actors], timeout=timeout + 30)
+        # Who is who, and what each listens on (the JAX coordinator on rank 0, the CPU transfer sockets).
+        hosts = [{**h, "role": role_of(h["rank"], tw), "listen": j["listen"]} for h, j in zip(info, joined)]
         with open(os.path.join(run_dir, "hosts.json"), "w") as f:  # who is who (pids for debugging and tests)
             json.dump(hosts, f, indent=1)
         with open(os.path.join(run_dir, "hosts_history.jsonl"), "a") as f:  # every attempt's processes
@@ -214,6 +255,8 @@ def _dump_stacks(actors: list[Any], info: list[dict[str, Any]], run_dir: str) ->
 
 def run(cfg: Any) -> int:
     logging.basicConfig(level=getattr(logging, cfg.logging.level), format="%(asctime)s [driver] %(message)s")
+    for noisy in ("matplotlib", "PIL"):  # font and image-plugin chatter at DEBUG, not the run's
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     run_dir = run_dir_of(cfg)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -227,12 +270,14 @@ def run(cfg: Any) -> int:
     try:
         while True:
             resume_step = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
-            sink = MetricsSink(run_dir, cfg.logging.tensorboard, cfg.logging.progress, cfg.train.total_steps,
+            progress = Progress(cfg.train.total_steps, resume_step or 0, cfg.logging.progress_every_n_steps) \
+                if cfg.logging.progress else None
+            sink = MetricsSink(run_dir, cfg.logging.tensorboard, progress,
                                resume_from=resume_step if resume_step is not None else 0)
             if resume_step:
                 print(f"[asyncrl] resuming {run_dir} from checkpoint step {resume_step}", file=sys.stderr)
             try:
-                _attempt(cfg, run_dir, sink)
+                _attempt(cfg, run_dir, sink, LOOPBACK if started else None)
                 break
             except RunStalled as e:
                 print(f"[asyncrl] error: {e}", file=sys.stderr)
@@ -252,6 +297,8 @@ def run(cfg: Any) -> int:
                 code = 1
                 break
         if sink is not None:
+            if sink.progress is not None:
+                sink.progress.close()  # the bar's last state stays above the summary
             print(sink.summary())
             plot = sink.plot()
             if plot:

@@ -42,6 +42,28 @@ class Evals:
             self._put(PromptItem(EVAL_POSITION_BASE + i, s, self.group_size, True, round_), self.timeout_s)
         self.pending = (round_, len(self._eval_samples), at_step)
 
+    def at_step(self, step: int, total: int, every: int,
+                before_launch: Callable[[], object] | None = None) -> dict[str, float]:
+        """The eval metrics step `step`'s row carries: a round that came back is collected, the next is launched
+        every `every` steps; at the final step the pending round is waited for and recorded, then the final eval
+        runs and its metrics are returned. `before_launch` runs before a round goes out: the trainer waits there
+        for the step's weight sync, so that a round at step k runs with the weights of step k."""
+        if not every:
+            return {}
+        if step == total:
+            if self.pending is not None:
+                self.collect()  # recorded in evals.jsonl; the final row carries the final eval
+            if before_launch is not None:
+                before_launch()
+            self.launch(step, step)
+            return self.collect()
+        out = self.collect() if self.ready() else {}
+        if step % every == 0 and self.pending is None:
+            if before_launch is not None:
+                before_launch()
+            self.launch(step, step)
+        return out
+
     def ready(self) -> bool:
         return self.pending is not None and self._qsize() >= self.pending[1]
 
@@ -58,15 +80,15 @@ class Evals:
                                        f"({len(groups)}/{n} groups) on the 'eval_rollout' queue")
                 continue
             deadline = time.monotonic() + self.timeout_s
-            if r.sample[1] == round_:  # (position, round, sample): a late group of an abandoned round is skipped
+            if r.prompt.eval_round == round_:  # a late group of an abandoned round is skipped
                 groups.append(r)
         self.pending = None
-        groups.sort(key=lambda g: g.sample[0])  # eval-set order
+        groups.sort(key=lambda g: g.prompt.position)  # eval-set order
         # Every eval sample, for inspection and for paired comparisons of two evals (same prompts, same order).
         with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
             for g in groups:
-                f.write(json.dumps({"round": round_, "version": g.oldest_version, "id": g.sample[2].id,
-                                    "answer": g.sample[2].answer,
+                f.write(json.dumps({"round": round_, "version": g.oldest_version, "id": g.prompt.id,
+                                    "answer": g.prompt.sample.answer,
                                     "completions": [{"text": c.text, "reward": c.reward, "reason": c.reason}
                                                     for c in g.completions]}) + "\n")
         stats = summarize_rewards([list(g.rewards) for g in groups])

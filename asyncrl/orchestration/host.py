@@ -35,8 +35,13 @@ def role_of(rank: int, train_workers: int) -> str:
 class HostActor:
     """Wrapped with `ray.remote` by the driver (resources depend on the cluster)."""
 
-    def __init__(self, rank: int, n_hosts: int, cfg: Any, run_dir: str, queues: dict[str, Any]):
+    def __init__(self, rank: int, n_hosts: int, cfg: Any, run_dir: str, queues: dict[str, Any],
+                 bind_ip: str | None = None):
+        """`bind_ip`: the address this host listens on (JAX coordinator, CPU transfer socket): 127.0.0.1 in the
+        driver's own local cluster, None (the Ray node's IP) on a real one."""
         self.rank, self.n_hosts, self.cfg, self.run_dir, self.queues = rank, n_hosts, cfg, run_dir, queues
+        self.ip = bind_ip or _node_ip()
+        self.loopback = bind_ip is not None
         self.role = role_of(rank, cfg.async_.train_workers)
         logging.basicConfig(level=getattr(logging, cfg.logging.level), format=f"%(asctime)s [{self.role}{rank}] %(name)s: %(message)s")
         for noisy in ("absl", "jax._src.distributed", "orbax"):  # per-call chatter drowns the run's own log
@@ -44,11 +49,11 @@ class HostActor:
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "role": self.role, "pid": os.getpid(), "host": socket.gethostname(),
-                "ip": _node_ip()}
+                "ip": self.ip}
 
     def free_port(self) -> int:
         with socket.socket() as s:
-            s.bind(("", 0))
+            s.bind((self.ip if self.loopback else "", 0))
             return s.getsockname()[1]
 
     def dump_stacks(self) -> str:
@@ -69,16 +74,23 @@ class HostActor:
 
         if self.cfg.run.platform == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            enable_cpu_transfers(_node_ip())
+            enable_cpu_transfers(self.ip)
         t0 = time.time()
+        # JAX's coordinator service (on rank 0) binds to every interface ([::]) unless told otherwise.
+        bind = f"{self.ip}:{coordinator.rsplit(':', 1)[1]}" if self.loopback else None
         jax.distributed.initialize(coordinator, num_processes=self.n_hosts, process_id=self.rank,
-                                   initialization_timeout=int(timeout_s))
+                                   initialization_timeout=int(timeout_s), coordinator_bind_address=bind)
         # JAX's own exit hook waits at a shutdown barrier for every process of the job; once a peer host is dead
         # (the very case a restart follows) it waits forever and the process outlives the driver. This hook is
         # registered later, so it runs first: flush, then leave without the barrier.
         atexit.register(_exit_now)
+        from jax._src import xla_bridge  # the flag has no public getter; read back for hosts.json only
+
+        listen = {"transfer_socket": xla_bridge.CROSS_HOST_TRANSFER_SOCKET_ADDRESS.value or None}
+        if self.rank == 0:
+            listen["jax_coordinator"] = bind or f"[::]:{coordinator.rsplit(':', 1)[1]}"
         return {"rank": self.rank, "process_index": jax.process_index(), "local_devices": jax.local_device_count(),
-                "devices": jax.device_count(), "join_s": time.time() - t0}
+                "devices": jax.device_count(), "join_s": time.time() - t0, "listen": listen}
 
     def run(self) -> HostResult:
         if os.environ.get("ASYNCRL_STACK_DUMP_S"):  # debugging hangs: periodic stack dumps of every thread

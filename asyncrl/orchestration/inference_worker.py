@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet, place_params
-from asyncrl.inference.rollout import Rollout
+from asyncrl.inference.rollout import PromptRef, Rollout
 from asyncrl.orchestration import faults
 from asyncrl.orchestration.queues import QueueTimeout
 from asyncrl.sharding.roles import split_roles
@@ -83,7 +83,7 @@ class InferenceWorker:
                     self.gate.params, self.gate.version = new, int(msg["version"])
                 self.gate.event.clear()
                 self.sync_stats = {"park_s": parked_s, "sync_s": time.perf_counter() - t0}
-                log.info("weights v%d received in %.2fs (replicas parked in %.2fs)", self.gate.version,
+                log.debug("weights v%d received in %.2fs (replicas parked in %.2fs)", self.gate.version,
                          time.perf_counter() - t0, parked_s)
         except BaseException as e:
             self.errors.append(e)
@@ -136,8 +136,7 @@ class InferenceWorker:
             self.stop.set()
 
     def _on_group(self, r: Rollout) -> None:
-        sample = r.sample[2]
-        futures = [self.verifier.submit(c.text, sample) for c in r.completions]
+        futures = [self.verifier.submit(c.text, r.prompt.sample) for c in r.completions]
         try:  # blocks decode when scoring falls behind: back-pressure, but never forever
             self.lanes[r.is_eval].put((r, futures), timeout=self.timeout_s)
         except queue.Full:
@@ -167,7 +166,8 @@ class InferenceWorker:
         for it in items:
             toks = self.tokenizer.encode_prompt(it.sample.prompt, chat=self.cfg.task.prompt_template == "chat")
             uid = it.position if not it.is_eval else it.position + 7919 * (it.eval_round + 1)
-            reqs.append(Request(toks, it.n, payload=(it.position, it.eval_round, it.sample), is_eval=it.is_eval, uid=uid))
+            reqs.append(Request(toks, it.n, PromptRef(it.position, it.sample, it.eval_round), is_eval=it.is_eval,
+                                uid=uid))
         return reqs
 
     def _replica_loop(self, engine: Engine) -> None:

@@ -1,28 +1,29 @@
-"""Where step metrics go: RUN_DIR/metrics.jsonl, tensorboardX (RUN_DIR/tb), Ray Gauges (dashboard), a live
-progress line on the driver, and at the end a summary table and RUN_DIR/reward_curve.png."""
+"""Where step metrics go: RUN_DIR/metrics.jsonl, tensorboardX (RUN_DIR/tb), Ray Gauges (dashboard), the driver's
+progress (`progress.py`), and at the end a summary table and RUN_DIR/reward_curve.png."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import sys
 import time
 from typing import Any
 
-# Keys the progress line and the summary show, in order (short label, metric key).
-PROGRESS_KEYS = (
-    ("loss", "train/loss"),
-    ("reward", "rollout/reward_mean"),
-    ("eval", "eval/reward_mean"),
-    ("lag", "rollout/lag_mean"),
-    ("sync_s", "weight_sync_s"),
-    ("tok/s", "train/tokens_per_s"),
-)
-
+from asyncrl.orchestration.progress import Progress
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def inference_means(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The inference hosts' reports since the last step -> `inference/<key>`: the mean of each key (the max of
+    `*_max` keys)."""
+    out: dict[str, float] = {}
+    for key in rows[0] if rows else ():
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[f"inference/{key}"] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
+    return out
 
 
 class RayGauges:
@@ -49,7 +50,7 @@ class RayGauges:
 class MetricsSink:
     """Driver-side writer. `resume_from` drops lines past the checkpoint step so no step appears twice."""
 
-    def __init__(self, run_dir: str, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
+    def __init__(self, run_dir: str, tensorboard: bool = True, progress: Progress | None = None,
                  resume_from: int | None = None):
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -69,7 +70,6 @@ class MetricsSink:
 
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
         self.progress = progress
-        self.total_steps = total_steps
         self.t0 = time.time()
 
     def write(self, row: dict[str, Any]) -> None:
@@ -82,13 +82,8 @@ class MetricsSink:
                 if _finite(v) and k != "step":
                     self.tb.add_scalar(k.replace("@", "_at_"), v, step)  # '@' is not a legal summary name
             self.tb.flush()
-        if self.progress:
-            parts = [f"step {step}/{self.total_steps}"]
-            for label, key in PROGRESS_KEYS:
-                if _finite(row.get(key)):
-                    parts.append(f"{label} {row[key]:.3g}")
-            parts.append(f"{time.time() - self.t0:.0f}s")
-            print("[asyncrl] " + " | ".join(parts), file=sys.stderr, flush=True)
+        if self.progress is not None:
+            self.progress.update(row)
 
     def eval_points(self) -> list[tuple[int, float]]:
         return [(int(r.get("eval/at_step", r["step"])), float(r["eval/reward_mean"]))
@@ -140,5 +135,7 @@ class MetricsSink:
         return path
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         if self.tb is not None:
             self.tb.close()

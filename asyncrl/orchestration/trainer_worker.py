@@ -1,4 +1,8 @@
-"""The trainer role (the blog's AsyncTrainWorker): collect rollouts within max_lag, train, sync, checkpoint.
+"""The trainer role (the blog's AsyncTrainWorker): the loop that joins the jobs of a trainer host. Each job lives
+in its own module: building the trainer and resuming (`trainer_setup.py`, `checkpoint.py`), feeding prompts
+(`feeder.py`), evals (`evals.py`), collecting a step's groups (`train/collect.py`), logging them
+(`rollout_log.py`), metrics (`metrics.py`) and the final Hugging Face export (`export.py`). Here: collect, train,
+sync, publish, checkpoint.
 
 Staleness is controlled at both ends. The feeder (rank 0, `feeder.py`) releases the prompts of step s only once
 the inference hosts hold version s - 1 - max_lag, so inference never runs further ahead than max_lag allows; the
@@ -9,10 +13,7 @@ makes resume-equals-uninterrupted testable; at any max_lag a resume regenerates 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -22,11 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.orchestration import faults
-from asyncrl.orchestration.checkpoint import TrainerCheckpoints
 from asyncrl.orchestration.evals import Evals
-from asyncrl.orchestration.feeder import Feeder, PromptItem  # noqa: F401  (PromptItem: the prompt queues' items)
-from asyncrl.orchestration.metrics import RayGauges
-from asyncrl.sharding.roles import split_roles
+from asyncrl.orchestration.export import export_hf
+from asyncrl.orchestration.feeder import Feeder
+from asyncrl.orchestration.metrics import RayGauges, inference_means
+from asyncrl.orchestration.rollout_log import drop_record, log_rollouts, rollouts_path
+from asyncrl.orchestration.trainer_setup import build_trainer
 from asyncrl.tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -51,79 +53,16 @@ class TrainerWorker:
     # ---- setup ----------------------------------------------------------------------------------------------
 
     def _build(self) -> None:
-        from asyncrl.models.sources import load_model, model_config
-        from asyncrl.models.transformer import Model
-        from asyncrl.train.trainer import Trainer
         from asyncrl.weightsync.transfer import HopChainTransfer
 
         cfg = self.cfg
-        roles = split_roles(jax.devices(), self.tw)
-        model = Model(model_config(cfg.model))
-        self.trainer = Trainer(model, cfg.train, cfg.loss, cfg.sharding, devices=roles.trainer_devices,
-                               temperature=cfg.inference.temperature)
-        key = jax.random.PRNGKey(cfg.run.seed)
-        if cfg.model.path or cfg.model.source:
-            _, params = load_model(cfg.model, key)
-            self.trainer.load(params)
-            self.trainer.rng = jax.random.key(cfg.run.seed)
-        else:
-            self.trainer.init(key)
-        resuming = cfg.checkpoint.resume and os.path.isdir(os.path.join(self.run_dir, "checkpoints")) and any(
-            x.isdigit() for x in os.listdir(os.path.join(self.run_dir, "checkpoints")))
-        if cfg.train.format_warmstart_steps and not resuming:
-            self._warmstart(model)
-        self.ckpt = TrainerCheckpoints(os.path.join(self.run_dir, "checkpoints"), cfg.checkpoint.keep, self.tw) \
-            if cfg.checkpoint.every_n_steps or cfg.checkpoint.resume else None
-        if self.ckpt is not None and cfg.checkpoint.resume and self.ckpt.latest_step() is not None:
-            step = self.ckpt.latest_step()
-            state, meta = self.ckpt.restore(step, self.trainer.abstract_state())
-            if meta.get("rng") is not None:  # JSON turned the key data into plain ints
-                meta["rng"] = np.asarray(meta["rng"], np.uint32)
-            self.trainer.load_state_dict(meta, state["params"], state["opt_state"])
-            self._resume_meta = meta
-            log.info("resumed from checkpoint step %d (data position %d, %d prompts in flight)", step,
-                     int(meta["position"]), len(meta.get("in_flight", [])))
+        self.trainer, self.ckpt, self._resume_meta = build_trainer(cfg, self.run_dir)
         ws = cfg.weightsync
         self.transfer = HopChainTransfer(self.tw, jax.devices(), bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s)
         self.infer_dtype = jnp.dtype(cfg.inference.params_dtype)
         if self.rank == 0:
             self._build_feeder_and_evals()
         self.gauges = RayGauges(cfg.run.name) if (cfg.logging.ray_metrics and self.rank == 0) else None
-
-    def _warmstart(self, model: Any) -> None:
-        from asyncrl.models.sources import cache_dir, load_tokenizer
-        from asyncrl.train.warmstart import cached_format_warmstart
-
-        cfg = self.cfg
-        # Every trainer host computes the same thing (same seed, same data), so no broadcast is needed.
-        params = cached_format_warmstart(
-            model, self.trainer.params_for_inference(jnp.float32), load_tokenizer(cfg.model, self.run_dir),
-            build_task(cfg.task), cfg.task, cfg.train.format_warmstart_steps, cache_dir(), cfg.run.seed,
-            chat=cfg.task.prompt_template == "chat", lr=cfg.train.format_warmstart_lr,
-            batch=cfg.train.format_warmstart_batch, source=repr(cfg.model))
-        rng = self.trainer.rng
-        self.trainer.load(params)
-        self.trainer.rng = rng
-
-    def _log_rollouts(self, step: int, version: int, rollouts: list, drops: list) -> None:
-        """One JSON line per trained group, and one per group dropped while collecting for this step. Each trainer
-        host writes its own share to its own file (rollouts.jsonl, rollouts.rank1.jsonl, ...), so nothing is
-        gathered over the network for logging."""
-        name = "rollouts.jsonl" if self.rank == 0 else f"rollouts.rank{self.rank}.jsonl"
-        with open(os.path.join(self.run_dir, name), "a") as f:
-            for d in drops:
-                f.write(json.dumps(d) + "\n")
-            for r in rollouts:
-                f.write(json.dumps({
-                    "step": step, "trainer_version": version, "pid": os.getpid(), "id": r.sample[2].id,
-                    "position": r.sample[0],
-                    "worker": r.worker,
-                    "completions": [{
-                        "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
-                        "n_tokens": int(len(c.tokens)),
-                        # [[first token index, version], ...]: one entry per run of equal versions
-                        "versions": [[0, c.start_version], *map(list, c.version_boundaries)] if len(c.tokens) else [],
-                    } for c in r.completions]}) + "\n")
 
     # ---- weight sync ----------------------------------------------------------------------------------------
 
@@ -178,11 +117,9 @@ class TrainerWorker:
     def _on_consumed(self, step: int, drops: list) -> Any:
         """The collector's callback: credit the feeder at once (directly on rank 0, by queue from the others)."""
         def on(rollout: Any, reason: str | None) -> None:
-            position = rollout.sample[0]
+            position = rollout.prompt.position
             if reason is not None:
-                drops.append({"step": step, "pid": os.getpid(), "dropped": reason, "position": position,
-                              "id": rollout.sample[2].id,
-                              "oldest_version": rollout.oldest_version})
+                drops.append(drop_record(step, rollout, reason))
             if self.feeder is not None:
                 self.feeder.consumed(position, reason)
             else:
@@ -229,11 +166,11 @@ class TrainerWorker:
                     zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),
                     straggler_wait_s=cfg.async_.straggler_wait_s,
                 )
-                rollouts.sort(key=lambda r: r.sample[0])  # by data position: same batch order whatever arrived first
-                batch = build_batch(rollouts, tr.version, cfg.loss, cfg.train.pad_to_multiple)
+                rollouts.sort(key=lambda r: r.prompt.position)  # by data position: same batch order whatever arrived first
+                batch = build_batch(rollouts, cfg.loss, cfg.train.pad_to_multiple)
                 every = cfg.logging.rollouts_every_n_steps
                 if every and step % every == 0:
-                    self._log_rollouts(step, tr.version, rollouts, drops)
+                    log_rollouts(rollouts_path(self.run_dir, self.rank), step, tr.version, rollouts, drops)
                 metrics = tr.step(batch, host_m)
                 sync_m = self.sync_weights()
                 n_tokens = float(np.asarray(batch.seq_lens).sum()) * self.tw
@@ -245,10 +182,11 @@ class TrainerWorker:
                     if self.feeder is not None:  # no more train prompts: inference goes to the final eval
                         self.feeder.stop.set()
                 if self.rank == 0:
-                    row |= self._inference_metrics()
-                    self._eval_blocked_s = 0.0
-                    row |= self._evals_at(step, total, evals_every)
-                    row["weight_sync/trainer_blocked_s"] += self._eval_blocked_s
+                    row |= inference_means(self.q["inference_metrics"].drain())
+                    if self.evals is not None:
+                        self._eval_blocked_s = 0.0
+                        row |= self.evals.at_step(step, total, evals_every, before_launch=self._await_sync_for_eval)
+                        row["weight_sync/trainer_blocked_s"] += self._eval_blocked_s
                     if self.gauges is not None:
                         self.gauges.set(row)
                     self.q["driver"].put(row)
@@ -265,31 +203,13 @@ class TrainerWorker:
         if self.ckpt is not None:
             self.ckpt.close()
         if cfg.checkpoint.export_hf:
-            self._export()
+            export_hf(cfg, tr, self.run_dir, self.rank)
         return {"steps": tr.step_count, "version": tr.version, "last": {k: v for k, v in last_row.items()
                                                                          if isinstance(v, (int, float))}}
 
-    def _evals_at(self, step: int, total: int, every: int) -> dict[str, Any]:
-        """The eval metrics this step's row carries: a round that came back is collected, the next is launched;
-        at the final step the pending round is waited for and recorded, then the final eval runs."""
-        ev, out = self.evals, {}
-        if ev is None or not every:
-            return out
-        if step == total:
-            if ev.pending is not None:
-                ev.collect()  # recorded in evals.jsonl; the final row carries the final eval
-            self._launch_eval(step)
-            return ev.collect()
-        if ev.ready():
-            out = ev.collect()
-        if step % every == 0 and ev.pending is None:
-            self._launch_eval(step)
-        return out
-
-    def _launch_eval(self, step: int) -> None:
+    def _await_sync_for_eval(self) -> None:
         """An eval round at step k runs with the weights of step k: their sync must have landed first."""
         self._eval_blocked_s += self._await_sync()
-        self.evals.launch(step, step)
 
     def _feeder_state(self) -> dict[str, Any]:
         """Checkpoint meta of the data stream (the same on every trainer host: only rank 0 has a feeder, but the
@@ -298,31 +218,3 @@ class TrainerWorker:
             return {}
         self.feeder.drain_remote()  # every host's consumption up to this step is queued by now (the step is collective)
         return self.feeder.state()
-
-    def _export(self) -> None:
-        """The final policy as a Hugging Face folder (run_dir/hf) that transformers and vLLM read."""
-        from asyncrl.models import save_pretrained
-        from asyncrl.models.sources import load_tokenizer, resolve_path
-
-        out = os.path.join(self.run_dir, "hf")
-        save_pretrained(self.trainer.model, self.trainer.params, out)  # collective over the trainer mesh
-        if self.rank == 0:
-            src = self.cfg.model.tokenizer or resolve_path(self.cfg.model)
-            if src is None:  # presets train with the character tokenizer built in the run dir
-                load_tokenizer(self.cfg.model, self.run_dir)
-                src = os.path.join(self.run_dir, "char_tokenizer")
-            for f in os.listdir(src):
-                if f.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
-                    shutil.copy(os.path.join(src, f), os.path.join(out, f))
-            log.info("exported the final policy to %s", out)
-
-    def _inference_metrics(self) -> dict[str, float]:
-        rows = self.q["inference_metrics"].drain()
-        if not rows:
-            return {}
-        out: dict[str, float] = {}
-        for key in rows[0]:
-            vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-            if vals:
-                out[f"inference/{key}"] = float(np.mean(vals)) if not key.endswith("_max") else float(max(vals))
-        return out

@@ -109,11 +109,19 @@ class ShardingRules:
         return dataclasses.replace(self, **kw)
 
 
+def spec_entry(axes: Sequence[str]) -> Any:
+    """Mesh axes -> one PartitionSpec entry (None, one axis name, or a tuple of them)."""
+    return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def drop_axes(entry: Any, drop: set[str]) -> Any:
+    """A PartitionSpec entry without the mesh axes in `drop`."""
+    if entry is None:
+        return None
+    return spec_entry(tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in drop))
+
+
 # ---- Rule instances -----------------------------------------------------------------------------------------
-
-def replicated_rules() -> ShardingRules:
-    return ShardingRules()
-
 
 def fsdp_rules(fsdp_axis: str = "fsdp", shard_logical: str = "embed", min_bytes: int = 0, data_axes: MeshAxes = ("dp", "fsdp")) -> ShardingRules:
     """FSDP: each weight is split along one chosen logical dim (default the residual width D) over `fsdp`."""

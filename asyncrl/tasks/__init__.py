@@ -6,17 +6,19 @@
         scores = v.score_batch([(completion, sample), ...])
 """
 
-from asyncrl.tasks.base import REASONS, Sample, Score, Task, build_source, build_task, register_task, registered_tasks
+from asyncrl.tasks.base import REASONS, Sample, Score, Task
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig, VerifierConfig
 from asyncrl.tasks.digits import CHARSET as DIGITS_CHARSET
 from asyncrl.tasks.digits import DigitsOptions, DigitsTask
 from asyncrl.tasks.extract import AnswerLimits, extract_answer, reject_reason
 from asyncrl.tasks.grading import exact_equal, grade, math_equal
 from asyncrl.tasks.gym import GymTask
-from asyncrl.tasks.math_files import MathFileLoader, MathFileTask, SkippedRow, detect_schema
+from asyncrl.tasks.math_files import MathFileTask
+from asyncrl.tasks.math_loader import MathFileLoader, SkippedRow, detect_schema
 from asyncrl.tasks.mixture import MixtureTask
 from asyncrl.tasks.passk import pass_at_k, summarize_rewards
 from asyncrl.tasks.prompts import PromptFormat
+from asyncrl.tasks.registry import build_source, build_task, register_task, registered_tasks
 from asyncrl.tasks.verifier import Verifier
 
 __all__ = [

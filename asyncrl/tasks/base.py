@@ -1,4 +1,4 @@
-"""What every task is: samples in, a score out, and a registry that builds tasks from config by name.
+"""What every task is: samples in, a score out (the registry that builds tasks by name is `registry.py`).
 
 A `Task` is deliberately small: `samples(split, seed)` yields prompts with their gold answers, and
 `score(completion, sample)` grades one completion. Scoring is a pure function of its arguments, so the
@@ -10,12 +10,7 @@ from __future__ import annotations
 import abc
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
-
-from asyncrl.config.validate import ConfigError
-
-if TYPE_CHECKING:
-    from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
+from typing import Any, Iterator, Union
 
 Prompt = Union[str, list]
 """Plain text, or chat messages as a list of {"role": ..., "content": ...} dicts."""
@@ -119,57 +114,3 @@ def stable_hash(*parts: object) -> int:
 def stable_unit(*parts: object) -> float:
     """`stable_hash` mapped to [0, 1)."""
     return stable_hash(*parts) / 2.0**64
-
-
-# ---- registry ---------------------------------------------------------------------------------------------
-
-TaskFactory = Callable[["TaskSourceConfig", "TaskConfig", str], Task]
-"""(source config, whole task config, dotted key of the source for error messages) -> Task."""
-
-_REGISTRY: dict[str, TaskFactory] = {}
-
-
-def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
-    """Decorator: make `factory` buildable as `task.sources[i].name=<name>`."""
-
-    def deco(factory: TaskFactory) -> TaskFactory:
-        if name in _REGISTRY and _REGISTRY[name] is not factory:
-            raise ValueError(f"task {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def registered_tasks() -> list[str]:
-    _import_builtin_tasks()
-    return sorted(_REGISTRY)
-
-
-def _import_builtin_tasks() -> None:
-    # Importing registers; done lazily so that `base` has no import cycle with the task modules.
-    from asyncrl.tasks import digits, gym, math_files  # noqa: F401
-
-
-def build_source(source: "TaskSourceConfig", cfg: "TaskConfig", where: str = "task.sources[0]") -> Task:
-    """Build the task one source entry describes."""
-    _import_builtin_tasks()
-    if source.name not in _REGISTRY:
-        raise ConfigError(f"{where}.name={source.name!r} is invalid: must be one of {sorted(_REGISTRY)}")
-    return _REGISTRY[source.name](source, cfg, where)
-
-
-def build_task(cfg: "TaskConfig") -> Task:
-    """The task a `TaskConfig` describes: its one source, or a weighted mixture of all of them."""
-    from asyncrl.tasks.mixture import MixtureTask
-
-    tasks = [build_source(s, cfg, f"task.sources[{i}]") for i, s in enumerate(cfg.sources)]
-    seen: dict[str, int] = {}
-    for i, t in enumerate(tasks):
-        if t.label in seen:
-            raise ConfigError(f"task.sources[{i}].options.label={t.label!r} is invalid: must differ from "
-                              f"task.sources[{seen[t.label]}]'s label (set options.label)")
-        seen[t.label] = i
-    if len(tasks) == 1:
-        return tasks[0]
-    return MixtureTask(tasks, [s.weight for s in cfg.sources])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from asyncrl.config.validate import check, check_choice
-from asyncrl.tasks.base import Sample, Score, Task, check_split, register_task, stable_hash, stable_unit
+from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash, stable_unit
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 
 # op -> (letter shown in mixed mode, rule)
@@ -118,8 +118,7 @@ class DigitsTask(Task):
         return Score(1.0 if ok else 0.0, "correct" if ok else "wrong", text[:20])
 
 
-@register_task("digits")
-def _build(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> DigitsTask:
+def build_digits(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> DigitsTask:
     opts = dict(source.options)
     label = opts.pop("label", "digits")
     known = DigitsOptions.__dataclass_fields__

@@ -16,7 +16,7 @@ import re
 from typing import Any, Iterator, Mapping
 
 from asyncrl.config.validate import ConfigError, check_choice
-from asyncrl.tasks.base import Sample, Score, Task, check_split, register_task
+from asyncrl.tasks.base import Sample, Score, Task, check_split
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.extract import ANSWER_FORMATS, extract_answer, render_answer
 from asyncrl.tasks.prompts import PromptFormat
@@ -122,8 +122,7 @@ class GymTask(Task):
 _OWN_OPTIONS = ("dataset", "label", "answer_formats")
 
 
-@register_task("reasoning_gym")
-def _build(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> GymTask:
+def build_gym(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> GymTask:
     opts = dict(source.options)
     dataset = opts.pop("dataset", None)
     check_choice(f"{where}.options.dataset", dataset, sorted(REVIEWED))

@@ -14,12 +14,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.inference.rollout import Rollout
 from asyncrl.train.loss_config import LossConfig
-from asyncrl.train.losses import group_stats, prepare_loss_inputs
 from asyncrl.train.shaping import shaping_for
 
 log = logging.getLogger(__name__)
@@ -39,13 +37,8 @@ class RLBatch:
     sampler_logprobs: np.ndarray  # [B, T] float32, 0 on prompt, forced and pad positions
     seq_lens: np.ndarray  # [B] int32, prompt + completion length
     rewards: np.ndarray  # [B] float32, the verifier's reward plus `overlong_penalty`
-    group_mean: np.ndarray  # [B] float32, mean reward of the row's group
-    group_std: np.ndarray  # [B] float32, unbiased std of the row's group
     group_ids: np.ndarray  # [B] int32, rows sampled from the same prompt share an id
     loss_mask: np.ndarray  # [B, T] bool, sampled (not forced) completion tokens
-    advantages: np.ndarray  # [B] float32
-    weights: np.ndarray  # [B, T] float32, per-token loss weights normalised over this batch
-    lag: np.ndarray  # [B] int32, trainer version - the oldest weight version of the row's tokens
     overlong_penalty: np.ndarray  # [B] float32, DAPO's length penalty added to the reward (<= 0; 0 when off)
     truncated: np.ndarray  # [B] bool, the completion was cut at the length limit (finish_reason 'length')
 
@@ -63,9 +56,8 @@ class RLBatch:
 # dtype and rank of each RLBatch field (what `build_batch` produces).
 _FIELDS = {
     "tokens": (np.int32, 2), "sampler_logprobs": (np.float32, 2), "seq_lens": (np.int32, 1),
-    "rewards": (np.float32, 1), "group_mean": (np.float32, 1), "group_std": (np.float32, 1),
-    "group_ids": (np.int32, 1), "loss_mask": (np.bool_, 2), "advantages": (np.float32, 1),
-    "weights": (np.float32, 2), "lag": (np.int32, 1), "overlong_penalty": (np.float32, 1), "truncated": (np.bool_, 1),
+    "rewards": (np.float32, 1), "group_ids": (np.int32, 1), "loss_mask": (np.bool_, 2),
+    "overlong_penalty": (np.float32, 1), "truncated": (np.bool_, 1),
 }
 
 
@@ -73,23 +65,18 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def is_zero_variance(rollout: Rollout) -> bool:
-    r = rollout.rewards
-    return bool(r.max() == r.min())
-
-
-def build_batch(rollouts: Sequence[Rollout], version: int, loss_cfg: LossConfig, pad_to_multiple: int = 16,
+def build_batch(rollouts: Sequence[Rollout], loss_cfg: LossConfig, pad_to_multiple: int = 16,
                 seq_len: int | None = None) -> RLBatch:
     """Pack groups into a host-local RLBatch. `seq_len` fixes T (else the longest row, rounded up).
 
-    `advantages` and `weights` are computed over these rows. On one host that is the full batch; with several,
-    the train step recomputes both over the global batch (token normalisers must count every host's tokens)."""
+    Advantages and loss weights are not computed here: the train step computes them once, over the global batch
+    (group statistics and token normalisers must count every host's rows; `step.with_loss_inputs`)."""
     if not rollouts:
         raise ValueError("build_batch needs at least one rollout")
     rows = [(r, c) for r in rollouts for c in r.completions]
     for r, c in rows:
         if len(r.prompt_tokens) < 1:
-            raise ValueError(f"rollout {r.uid} ({getattr(r.sample, 'id', '?')}) has an empty prompt: the first "
+            raise ValueError(f"rollout {r.uid} ({r.label}) has an empty prompt: the first "
                              "completion token would have no context to be scored in")
     longest = max(len(r.prompt_tokens) + len(c.tokens) for r, c in rows)
     T = round_up(longest, pad_to_multiple) if seq_len is None else seq_len
@@ -102,7 +89,6 @@ def build_batch(rollouts: Sequence[Rollout], version: int, loss_cfg: LossConfig,
     seq_lens = np.zeros((B,), np.int32)
     rewards = np.zeros((B,), np.float32)
     group_ids = np.zeros((B,), np.int32)
-    lag = np.zeros((B,), np.int32)
     lengths = np.zeros((B,), np.int32)
     truncated = np.zeros((B,), bool)
     b = 0
@@ -117,20 +103,14 @@ def build_batch(rollouts: Sequence[Rollout], version: int, loss_cfg: LossConfig,
             seq_lens[b] = p + n
             rewards[b] = reward
             group_ids[b] = g
-            lag[b] = version - (int(c.versions.min()) if n else version)
             lengths[b], truncated[b] = n, c.finish_reason == "length"
             b += 1
     penalty = shaping_for(lengths, truncated, loss_cfg)
     rewards = rewards + penalty
     if loss_cfg.overlong_filter:
         mask &= ~truncated[:, None]
-    mean, std, _ = group_stats(jnp.asarray(rewards), jnp.asarray(group_ids))
-    adv, weights = prepare_loss_inputs(jnp.asarray(rewards), jnp.asarray(group_ids), jnp.asarray(mask), loss_cfg)
-    return RLBatch(
-        tokens=tokens, sampler_logprobs=sampler_lp, seq_lens=seq_lens, rewards=rewards,
-        group_mean=np.asarray(mean), group_std=np.asarray(std), group_ids=group_ids, loss_mask=mask,
-        advantages=np.asarray(adv), weights=np.asarray(weights), lag=lag, overlong_penalty=penalty, truncated=truncated,
-    )
+    return RLBatch(tokens=tokens, sampler_logprobs=sampler_lp, seq_lens=seq_lens, rewards=rewards,
+                   group_ids=group_ids, loss_mask=mask, overlong_penalty=penalty, truncated=truncated)
 
 
 def pad_batch(batch: RLBatch, seq_len: int) -> RLBatch:
@@ -142,7 +122,7 @@ def pad_batch(batch: RLBatch, seq_len: int) -> RLBatch:
         return batch
     pad = lambda x: np.pad(np.asarray(x), ((0, 0), (0, seq_len - T)))  # noqa: E731
     return replace(batch, tokens=pad(batch.tokens), sampler_logprobs=pad(batch.sampler_logprobs),
-                   loss_mask=pad(batch.loss_mask), weights=pad(batch.weights))
+                   loss_mask=pad(batch.loss_mask))
 
 
 def combine_host_metrics(per_host: Sequence[HostMetrics]) -> HostMetrics:

@@ -64,7 +64,7 @@ def collect_rollouts(
     groups gets replacements. `check()` runs between polls of at most `poll_s` seconds and may raise (a dead
     feeder thread's error then surfaces here instead of a generic timeout). The timeout counts from the last
     group received. `pool` is read and left holding the groups carried to the next step; `urgent()` returns the
-    data positions (`rollout.sample[0]`) to wait for before taking newer groups, for at most `straggler_wait_s`
+    data positions (`rollout.prompt.position`) to wait for before taking newer groups, for at most `straggler_wait_s`
     once `n_groups` are held. After `zero_variance_budget`
     zero-variance drops in one call, zero-variance groups are kept as fillers (`rollout/zero_variance_fillers`):
     the loss gives them no weight when it filters them (`loss.filter_zero_variance`), so the step trains on the
@@ -98,7 +98,7 @@ def collect_rollouts(
             return True
         if not full_since:
             full_since.append(time.monotonic())
-        waiting = urgent() - {r.sample[0] for r in held}
+        waiting = urgent() - {r.prompt.position for r in held}
         return (not waiting or sum(version - r.oldest_version == max_lag for r in held) >= n_groups
                 or time.monotonic() - full_since[0] >= straggler_wait_s)
 
@@ -120,7 +120,7 @@ def collect_rollouts(
         if rollout is None:
             if time.monotonic() < deadline:
                 continue
-            waiting = sorted(urgent() - {r.sample[0] for r in held}) if urgent is not None else []
+            waiting = sorted(urgent() - {r.prompt.position for r in held}) if urgent is not None else []
             raise RolloutTimeout(f"{who} waited {timeout_s:.0f}s for a rollout from the inference workers "
                                  f"(has {len(held)}/{n_groups} groups for version {version}, dropped {filtered}"
                                  + (f", waiting for data positions {waiting[:8]}" if waiting else "") + ")")
@@ -128,7 +128,7 @@ def collect_rollouts(
         admit(rollout)
     waited = clock() - start
     if pool is not None:  # oldest first; ties by data position, so the choice does not depend on arrival order
-        held.sort(key=lambda r: (r.oldest_version, r.sample[0]))
+        held.sort(key=lambda r: (r.oldest_version, r.prompt.position))
         pool.extend(held[n_groups:])
     kept = held[:n_groups]
     if on_consumed is not None:

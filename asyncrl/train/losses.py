@@ -4,7 +4,7 @@ Every loss has the signature of `LossFn` and is looked up by name (`get_loss(cfg
 `logprobs` [B, T] (trainer, differentiated), `sampler_logprobs` [B, T] (what the inference engine recorded: the
 behaviour policy), `advantages` [B], `weights` [B, T], `mask` [B, T], and optionally `prox_logprobs` [B, T] (the
 proximal policy: the trainer's params before the step's first update) and `ref_logprobs` [B, T] (the reference
-policy of the KL term). Logprobs follow the temperature convention of `asyncrl/train/logprobs.py`. Advantages and
+policy of the KL term). Logprobs follow the temperature convention of `asyncrl/ops/logprobs.py`. Advantages and
 weights come from `asyncrl/train/advantages.py` (computed on the whole batch, table there).
 
 The loss is `sum(weights * c * per_token_objective) + kl_coef * sum(weights * k3)`, minimised, with A the row's

@@ -33,18 +33,13 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.models.params import Params
+from asyncrl.sharding.axes import CP_AXIS, DATA_AXES, MESH_AXES
 from asyncrl.sharding.host import to_host
 from asyncrl.sharding.rules import ShardingRules, fsdp_rules
 from asyncrl.train.config import MeshConfig, ShardingConfig
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("dp", "fsdp", "cp")
-DATA_AXES = ("dp", "fsdp")
-"""Mesh axes that split the batch dim. ("cp" splits the sequence dim instead; `asyncrl/train/logprobs.py` keeps
-its own DATA_AXES, with "cp", because it splits flattened [B*T] tokens.)"""
-CP_AXIS = "cp"
-"""The mesh axis that the logical axis "seq" maps to in training (Ulysses context parallelism)."""
 
 
 def make_train_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

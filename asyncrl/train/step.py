@@ -3,8 +3,9 @@ gradient accumulation over micro-batches.
 
 The step sees the *global* batch (sharded over the data axes, and along T over "cp" under context parallelism,
 see `train/mesh.py`), so everything it reduces is global:
-1. Advantages (and, with one update, token weights) are computed over the whole batch before it is split
-   (advantages.py explains why the sum of micro-batch losses then equals the full-batch loss).
+1. Advantages (and, with one update, token weights) are computed over the whole batch before it is split, and
+   only here: the host batch carries rewards and masks (advantages.py explains why the sum of micro-batch losses
+   then equals the full-batch loss).
 2. Logprobs that must not move during the step are computed first, with no gradient: the KL reference's
    (loss.kl_coef > 0) and, with several updates, the proximal policy's (the params before the first update:
    decoupled PPO, AReaL), so that every update clips pi / pi_prox against the same policy.
@@ -34,10 +35,11 @@ from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
 from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weights, prepare_loss_inputs
 from asyncrl.train.batch import RLBatch
-from asyncrl.train.logprobs import fused_logprobs_and_entropy, scale_for_temperature
+from asyncrl.ops.logprobs import fused_logprobs_and_entropy, scale_for_temperature
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import Metrics, finalize_metrics, get_loss, metric_reduction
-from asyncrl.train.mesh import DATA_AXES, TrainShardings
+from asyncrl.sharding.axes import DATA_AXES
+from asyncrl.train.mesh import TrainShardings
 from asyncrl.train.optimizer import Schedule
 
 StepFn = Callable[[Params, Any, RLBatch, jax.Array], tuple[Params, Any, Metrics]]
@@ -92,13 +94,24 @@ def _reduce_stacked(metrics: Metrics) -> Metrics:
     return {k: ops[metric_reduction(k)](v, axis=0) for k, v in metrics.items()}
 
 
-def with_global_loss_inputs(batch: RLBatch, loss_cfg: LossConfig) -> RLBatch:
-    """Recompute advantages and weights over the global batch (exactly the host values on a single host)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LossBatch(RLBatch):
+    """An RLBatch and the two things the loss reads besides it, computed once, in the step, over the global batch
+    (group statistics and token normalisers count every host's rows)."""
+
+    advantages: jax.Array  # [B] float32
+    weights: jax.Array  # [B, T] float32, per-token loss weights normalised over the batch (or the mini-batch)
+
+
+def with_loss_inputs(batch: RLBatch, loss_cfg: LossConfig) -> LossBatch:
+    """The batch with its advantages and loss weights (`advantages.prepare_loss_inputs`)."""
     # The [B, B] group comparison would put the data axes on both of its dims; these few [B] / [B, T] arrays
     # are small, so they are gathered, computed whole, and split again.
     whole = lambda x: _reshard(x, P(*([None] * x.ndim)))  # noqa: E731
     adv, weights = prepare_loss_inputs(whole(batch.rewards), whole(batch.group_ids), whole(batch.loss_mask), loss_cfg)
-    return dataclasses.replace(batch, advantages=_reshard(adv, _data_spec(1)), weights=_reshard(weights, _data_spec(2)))
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RLBatch)}
+    return LossBatch(**fields, advantages=_reshard(adv, _data_spec(1)), weights=_reshard(weights, _data_spec(2)))
 
 
 def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_size: int,
@@ -109,7 +122,7 @@ def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_s
     all-gather and matmuls run in that dtype, and the gradient comes back through the cast in the master dtype."""
     loss_fn = get_loss(loss_cfg.name)
 
-    def micro_loss(params: Params, mb: RLBatch, frozen: dict[str, jax.Array] | None = None
+    def micro_loss(params: Params, mb: LossBatch, frozen: dict[str, jax.Array] | None = None
                    ) -> tuple[jax.Array, Metrics]:
         frozen = frozen or {}
         if compute_dtype is not None:
@@ -153,13 +166,13 @@ def frozen_logprobs(model: Model, params: Params, batch: RLBatch, updates: int, 
 
 
 def _accumulate_and_update(grad_fn: Callable, tx: optax.GradientTransformation, grad_accum_steps: int,
-                           params: Params, opt_state: Any, mini: RLBatch, frozen: dict[str, jax.Array],
+                           params: Params, opt_state: Any, mini: LossBatch, frozen: dict[str, jax.Array],
                            opt_state_compute: Any = None) -> tuple[Params, Any, Metrics, Params, Params]:
     """One optimizer update on one mini-batch: grads summed over its micro-batches, then clipping + AdamW.
     Returns (params, opt_state, reduced metrics, grads, updates)."""
     micro = jax.tree.map(lambda x: split_micro_batches(x, grad_accum_steps), mini)
 
-    def body(acc: Params, xs: tuple[RLBatch, dict[str, jax.Array]]) -> tuple[Params, Metrics]:
+    def body(acc: Params, xs: tuple[LossBatch, dict[str, jax.Array]]) -> tuple[Params, Metrics]:
         (_, metrics), g = grad_fn(params, *xs)
         return jax.tree.map(jnp.add, acc, g), metrics
 
@@ -198,7 +211,7 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
     frozen_lp = lambda p: frozen_logprobs(model, p, batch, k, grad_accum_steps, temperature, chunk_size,  # noqa: E731
                                           compute_dtype)
     with jax.named_scope("loss_inputs"):
-        batch = with_global_loss_inputs(batch, loss_cfg)
+        batch = with_loss_inputs(batch, loss_cfg)
     frozen: dict[str, jax.Array] = {}  # each [k, grad_accum_steps, b, T-1]
     if loss_cfg.kl_coef > 0:
         if ref_params is None:
@@ -230,7 +243,7 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
         if opt_state_compute is not None:  # the scan carry must keep one memory kind: device memory throughout
             opt_state = jax.device_put(opt_state, opt_state_compute)
 
-        def update(carry: tuple[Params, Any], xs: tuple[RLBatch, jax.Array, dict[str, jax.Array]]):
+        def update(carry: tuple[Params, Any], xs: tuple[LossBatch, jax.Array, dict[str, jax.Array]]):
             mini, keep_j, frozen_j = xs
             mini = dataclasses.replace(mini, weights=loss_weights(mini.loss_mask, loss_cfg, keep_j))
             p, o, m, grads, updates = _accumulate_and_update(grad_fn, tx, grad_accum_steps, *carry, mini, frozen_j)

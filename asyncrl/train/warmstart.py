@@ -71,8 +71,9 @@ def format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, steps: 
     for done in range(1, steps + 1):
         idx = rng.choice(len(examples), size=batch, replace=False)
         params, opt, loss = step(params, opt, toks[idx], mask[idx], lens[idx])
-        if done == 1 or done % 10 == 0 or done == steps:
-            log.info("format warm-start: step %d/%d, loss %.3f", done, steps, float(loss))
+        if done == 1 or done % 10 == 0 or done == steps:  # the last at INFO: one line on the console
+            log.log(logging.INFO if done == steps else logging.DEBUG, "format warm-start: step %d/%d, loss %.3f",
+                    done, steps, float(loss))
     return params
 
 

@@ -12,7 +12,7 @@ makes trainer and sampler probabilities drift apart). A custom VJP recomputes ea
 backward pass instead of saving it, so peak memory is O(C * V) rather than O(N * V) in both directions.
 
 Sharding. When the ambient mesh (`jax.set_mesh` / `jax.sharding.use_mesh`) has any of the data axes
-`DATA_AXES`, every chunk is split over all of them: the chunked hidden states are constrained to
+`TOKEN_AXES` (`sharding/axes.py`), every chunk is split over all of them: the chunked hidden states are constrained to
 `P(None, DATA, None)`, targets to `P(None, DATA)`, and W is gathered (`P()`). `chunk_size` counts tokens per
 device: a chunk holds `chunk_size` rows on every data shard (W is read once per chunk, so chunks are sized per
 chip), and W's gradient is summed straight onto W's own sharding (a reduce-scatter under FSDP). Explicit axes are
@@ -37,8 +37,8 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-# Mesh axes that split the token dimension in training. Kept here until the sharding package owns a rules table.
-DATA_AXES = ("dp", "fsdp", "cp")
+from asyncrl.sharding.axes import TOKEN_AXES
+
 
 # Casting to fp32 is not enough on TPU (and on GPUs with TF32): the default precision of an f32 matmul there is a
 # single bf16 (TF32) pass, whose logprob error (~1e-2 at Qwen-sized logits) would swamp the importance ratio.
@@ -102,7 +102,7 @@ def _current_layout() -> _DataLayout:
         return _DataLayout((), 1, False)
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     # Manual axes (inside shard_map) are already split by the caller; they cannot be constrained again.
-    axes = tuple(a for a in DATA_AXES if a in types and types[a] != AxisType.Manual)
+    axes = tuple(a for a in TOKEN_AXES if a in types and types[a] != AxisType.Manual)
     if not axes:
         return _DataLayout((), 1, False)
     kinds = {types[a] for a in axes}

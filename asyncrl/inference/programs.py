@@ -1,0 +1,312 @@
+"""One replica's device programs: bucketed prefill and the decode loop with row substitution, their state
+layouts, and their abstract (ahead-of-time) lowering. `engine.Engine` drives them from the host.
+
+- `prefill`, memoized per power-of-two prompt bucket (at most log2(max_seq_len) programs);
+- `decode_and_swap`, compiled once: runs decode steps in a `lax.while_loop` until some live row stops, takes
+  that row out, and puts the next queued (prompt, sample) row in its place. The state is donated. The loop also
+  returns after `inference.decode_chunk_steps` steps with nothing finished.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from asyncrl.inference.config import InferenceConfig
+from asyncrl.inference.forcing import force_end_of_think, force_eos
+from asyncrl.inference.sampling import sample
+from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row
+from asyncrl.models import params as params_lib
+from asyncrl.models.kvcache import KVCache
+from asyncrl.models.tokenizer import Tokenizer, bucket_length
+from asyncrl.models.transformer import Model
+
+
+class DecodePrograms:
+    """The jitted prefill and decode programs of one replica over `mesh` (None = default device)."""
+
+    def __init__(self, model: Model, cfg: InferenceConfig, tokenizer: Tokenizer | None, *, eos_id: int | None = None,
+                 pad_id: int = 0, mesh: Mesh | None = None, seed: int = 0, substitute: str = "auto"):
+        self.model, self.cfg, self.tokenizer, self.mesh = model, cfg, tokenizer, mesh
+        self.eos_id = eos_id if eos_id is not None else tokenizer.eos_id  # type: ignore[union-attr]
+        self.pad_id = tokenizer.pad_id if tokenizer is not None else pad_id
+        self.S = cfg.max_seq_len
+        self.B = cfg.max_decode_batch_size
+        self.P = cfg.max_prefill_prompts
+        self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype)
+        self.phrase: list[int] | None = None
+        if cfg.reasoning_budget is not None:
+            self.phrase = self._think_phrase()
+        self._seed = seed
+        self._substitute = substitute
+        # Pinned output shardings keep the donated state's layout fixed across calls (no silent relayouts).
+        state_sh = self.state_shardings(self.B)
+        self._decode = jax.jit(
+            self._decode_and_swap, donate_argnums=(1,),
+            out_shardings=None if state_sh is None else (state_sh, None),
+        )
+        self._prefill = jax.jit(self._prefill_fn, out_shardings=self.state_shardings(self.P, split_rows=False))
+
+    def _think_phrase(self) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("inference.reasoning_budget needs a tokenizer to encode inference.think_phrase")
+        ids = self.tokenizer.encode(self.cfg.think_phrase)
+        eot = self.tokenizer.end_of_think_id
+        if eot is None or not ids or ids[-1] != eot:
+            raise ValueError(
+                f"inference.think_phrase={self.cfg.think_phrase!r} must end with the tokenizer's end-of-think token"
+                f" (id {eot}); this tokenizer has {'none' if eot is None else 'a different last token'}"
+            )
+        if len(ids) > self.cfg.reasoning_budget:  # type: ignore[operator]
+            raise ValueError(f"inference.think_phrase is {len(ids)} tokens, longer than inference.reasoning_budget")
+        return ids
+
+    # ---- shardings ------------------------------------------------------------------------------------------
+
+    def _data_spec(self) -> Any:
+        rules = self.model.rules
+        if self.mesh is None or rules is None:
+            return None
+        axes = tuple(a for a in rules.mesh_axes("batch") if a in self.mesh.axis_names)
+        return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+    def state_shardings(self, rows: int, split_rows: bool = True) -> DecodeState | None:
+        """Layouts of a state with `rows` rows. The decode batch splits rows over the data axis; a prefill batch
+        (split_rows=False) is replicated over it so any device can copy any prompt row locally."""
+        if self.mesh is None:
+            return None
+        m, b = self.mesh, (self._data_spec() if split_rows else None)
+        kv = self.model.kv_cache_sharding(m, rows, self.S, self.kv_dtype)
+        if not split_rows:
+            kv = jax.tree.map(lambda ns: NamedSharding(m, P(*[None if i == 1 else e for i, e in enumerate(ns.spec)])), kv)
+            kv.length = NamedSharding(m, P(None))
+        ns = lambda *spec: NamedSharding(m, P(*spec))  # noqa: E731
+        return DecodeState(
+            next_token=ns(b), kv=kv, key=ns(), row_key=ns(b, None), tokens=ns(b, None), logprobs=ns(b, None), forced=ns(b, None),
+            versions=ns(b, None), prompt_len=ns(b), limit=ns(b), slot=ns(b), active=ns(b), stop=ns(b), end_of_think=ns(b),
+            steps=ns(),
+        )
+
+    # ---- compiled functions ---------------------------------------------------------------------------------
+
+    def _empty(self, rows: int, key: jax.Array, split_rows: bool = True) -> DecodeState:
+        c = self.model.cfg
+        kv_shape = (c.num_layers, rows, c.num_kv_heads, self.S, c.head_dim)
+        z = jnp.zeros(kv_shape, self.kv_dtype)
+        state = DecodeState(
+            next_token=jnp.zeros((rows,), jnp.int32),
+            kv=KVCache(k=z, v=z, length=jnp.zeros((rows,), jnp.int32)),
+            key=key,
+            row_key=jnp.zeros((rows, 2), jnp.uint32),
+            tokens=jnp.full((rows, self.S), self.pad_id, jnp.int32),
+            logprobs=jnp.zeros((rows, self.S), jnp.float32),
+            forced=jnp.zeros((rows, self.S), jnp.bool_),
+            versions=jnp.zeros((rows, self.S), jnp.int32),
+            prompt_len=jnp.zeros((rows,), jnp.int32),
+            limit=jnp.full((rows,), self.S, jnp.int32),
+            slot=jnp.full((rows,), -1, jnp.int32),
+            active=jnp.zeros((rows,), jnp.bool_),
+            stop=jnp.zeros((rows,), jnp.bool_),
+            end_of_think=jnp.zeros((rows,), jnp.bool_),
+            steps=jnp.zeros((), jnp.int32),
+        )
+        sh = self.state_shardings(rows, split_rows) if self.mesh is not None else None
+        if sh is not None:  # created directly in the target layout (no replicated intermediate)
+            state = jax.tree.map(lambda x, s: jax.sharding.reshard(x, s.spec), state, sh)
+        return state
+
+    def _prefill_fn(self, params: Any, tokens: jax.Array, lens: jax.Array) -> DecodeState:
+        """tokens [P, W] right-padded prompts. Caches all but the last prompt token, which becomes next_token.
+        No LM head: the first sampled token comes from the first decode step."""
+        with jax.named_scope("prefill"):
+            rows, width = tokens.shape
+            state = self._empty(rows, jnp.zeros((2,), jnp.uint32), split_rows=False)
+            kv = state.kv
+            _, kv = self.model.prefill(params, tokens, jnp.maximum(lens - 1, 0), kv)
+            last = jnp.take_along_axis(tokens, jnp.maximum(lens - 1, 0)[:, None], axis=1)[:, 0]
+            out = jax.lax.dynamic_update_slice_in_dim(state.tokens, tokens, 0, axis=1)
+            state.kv, state.next_token, state.tokens, state.prompt_len = kv, last, out, lens
+            if self.cfg.max_new_tokens is not None:  # +1: the forced EOS slot after max_new_tokens sampled ones
+                state.limit = jnp.minimum(lens + self.cfg.max_new_tokens + 1, self.S)
+            return state
+
+    def _decode_step(self, params: Any, s: DecodeState, version: jax.Array) -> DecodeState:
+        cfg = self.cfg
+        live = s.active & ~s.stop
+        with jax.named_scope("fwd_pass"):
+            logits, kv = self.model.apply(params, s.next_token[:, None], live.astype(jnp.int32), s.kv)
+        index = s.kv.length + 1  # where the new token goes (the fed token sits at kv.length)
+        with jax.named_scope("sampling"):
+            keys = jax.vmap(jax.random.fold_in)(s.row_key, index)
+            tok, lp = sample(logits[:, 0], keys, cfg.temperature)
+        with jax.named_scope("forcing"):
+            forced = jnp.zeros_like(live)
+            eot = s.end_of_think
+            if self.phrase is not None:
+                tok, lp, forced, eot = force_end_of_think(
+                    tok, lp, eot, index, s.prompt_len, budget=cfg.reasoning_budget, phrase=self.phrase
+                )
+            tok, lp, forced, stop_now, _ = force_eos(tok, lp, forced, index, limit=s.limit, eos_id=self.eos_id)
+        # A position mask instead of a scatter: elementwise, so it keeps the rows' layout under any sharding.
+        # Dead rows match no position and keep their outputs.
+        at = (jnp.arange(self.S)[None, :] == index[:, None]) & live[:, None]  # [B, S]
+        put = lambda old, new: jnp.where(at, new[:, None].astype(old.dtype), old)  # noqa: E731
+        return DecodeState(
+            next_token=jnp.where(live, tok, s.next_token),
+            kv=kv,
+            key=s.key,
+            row_key=s.row_key,
+            tokens=put(s.tokens, tok),
+            logprobs=put(s.logprobs, lp),
+            forced=put(s.forced, forced),
+            versions=put(s.versions, jnp.broadcast_to(version, tok.shape)),
+            prompt_len=s.prompt_len,
+            limit=s.limit,
+            slot=s.slot,
+            active=s.active,
+            stop=s.stop | (live & stop_now),
+            end_of_think=jnp.where(live, eot, s.end_of_think),
+            steps=s.steps + 1,
+        )
+
+    def _decode_and_swap(
+        self, params: Any, s: DecodeState, prefill: DecodeState, p: jax.Array, slot: jax.Array, version: jax.Array,
+        uid: jax.Array, k: jax.Array, max_steps: jax.Array,
+    ) -> tuple[DecodeState, FinishedRow]:
+        want_insert = p >= 0
+        row_key = jax.random.fold_in(jax.random.fold_in(s.key, uid), k)
+        steps0 = s.steps
+
+        def cond(s: DecodeState) -> jax.Array:
+            has_free = jnp.any(~s.active)
+            return (jnp.any(s.active) & ~jnp.any(s.active & s.stop) & ~(want_insert & has_free)
+                    & (s.steps - steps0 < max_steps))
+
+        with jax.named_scope("single_decode_loop"):
+            s = jax.lax.while_loop(cond, lambda s: self._decode_step(params, s, version), s)
+        done = s.active & s.stop
+        # A free row is filled without extracting anything (the host counts on that); otherwise one stopped
+        # row is extracted and, if a sample is queued, replaced.
+        fill = want_insert & jnp.any(~s.active)
+        any_done = ~fill & jnp.any(done)
+        inserted = want_insert & (fill | any_done)  # False when the chunk ran out with every row still live
+        row = jnp.where(any_done, jnp.argmax(done), jnp.argmax(~s.active)).astype(jnp.int32)
+        sel = jnp.arange(done.shape[0]) == row  # [B]
+
+        def take(x: jax.Array) -> jax.Array:
+            # A masked reduction over rows rather than a dynamic slice: valid whatever the rows' sharding.
+            m = sel.reshape((-1,) + (1,) * (x.ndim - 1))
+            return jnp.any(m & x, axis=0) if x.dtype == jnp.bool_ else jnp.sum(jnp.where(m, x, 0), axis=0).astype(x.dtype)
+
+        length = take(s.kv.length) + 1
+        finished = FinishedRow(
+            tokens=take(s.tokens), logprobs=take(s.logprobs), forced=take(s.forced), versions=take(s.versions),
+            prompt_len=take(s.prompt_len), length=length, slot=jnp.where(any_done, take(s.slot), -1),
+            hit_length=take(s.forced)[jnp.clip(length - 1, 0, self.S - 1)], steps=s.steps - steps0,
+            end_of_think=take(s.end_of_think), inserted=inserted,
+        )
+        with jax.named_scope("sub_next_batch"):
+            s = jax.lax.cond(
+                inserted,
+                lambda s: self._insert(s, prefill, p, row, slot, row_key),
+                lambda s: jax.lax.cond(any_done, lambda s: deactivate_row(s, row), lambda s: s, s),
+                s,
+            )
+        return s, finished
+
+    def _insert(self, s: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.Array, slot: jax.Array,
+                row_key: jax.Array) -> DecodeState:
+        spec = self._data_spec()
+        if self.mesh is None or spec is None:
+            return insert_row(s, prefill, p, row, slot, row_key)
+        if self._substitute == "naive":
+            # What XLA does when left alone (the blog's 75 ms case): gather every row of the state, substitute
+            # everywhere, scatter back. Kept for the benchmark against the shard_map version.
+            full = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), s)
+            out = insert_row(full, prefill, p, row, slot, row_key)
+            return jax.tree.map(lambda x, ns: jax.sharding.reshard(x, ns.spec), out, self.state_shardings(self.B))
+        return self._insert_shard_map(s, prefill, p, row, slot, row_key)
+
+    def _insert_shard_map(self, s, prefill, p, row, slot, row_key):
+        """SPMD substitution that only touches the device holding `row` (the blog's fix: XLA's choice
+        all-gathers the KV cache, substitutes everywhere and scatters back)."""
+        mesh, spec = self.mesh, self._data_spec()
+        axes = (spec,) if isinstance(spec, str) else tuple(spec)
+        state_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.B))
+        prefill_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.P, split_rows=False))
+
+        def local(s_local, prefill_local, p, row, slot, row_key):
+            b_local = s_local.next_token.shape[0]
+            shard = jax.lax.axis_index(axes)
+            start = shard * b_local
+            here = (row >= start) & (row < start + b_local)
+            return jax.lax.cond(
+                here, lambda s: insert_row(s, prefill_local, p, row - start, slot, row_key), lambda s: s, s_local
+            )
+
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(state_specs, prefill_specs, P(), P(), P(), P()), out_specs=state_specs,
+        )(s, prefill, p, row, slot, row_key)
+
+    # ---- ahead-of-time compilation -------------------------------------------------------------------------
+    # The programs above, lowered from abstract values only: what `launch.py aot` compiles for a TPU slice.
+
+    def abstract_params(self) -> Any:
+        """ShapeDtypeStructs of the weights this replica decodes with (`inference.params_dtype`, its layout)."""
+        dtype = jnp.dtype(self.cfg.params_dtype)
+        shapes = params_lib.shapes(self.model.cfg, dtype)
+        if self.mesh is None:
+            return shapes
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                            self.model.param_shardings(self.mesh, dtype))
+
+    def abstract_state(self, rows: int | None = None, split_rows: bool = True) -> DecodeState:
+        """ShapeDtypeStructs of a decode state (`rows` = max_decode_batch_size) or, with split_rows=False, of a
+        prefill batch, on the layouts the compiled programs pin."""
+        rows = self.B if rows is None else rows
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        if self.mesh is None:
+            return jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
+        with jax.set_mesh(self.mesh):
+            shapes = jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                            self.state_shardings(rows, split_rows))
+
+    def prefill_buckets(self) -> list[int]:
+        """Every prompt width `prefill` can compile (prompts are 1 .. max_seq_len - 1 tokens)."""
+        return sorted({bucket_length(n, self.cfg.min_prefill_bucket, self.S) for n in range(1, self.S)})
+
+    def _scalar(self, dtype: Any) -> jax.ShapeDtypeStruct:
+        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return jax.ShapeDtypeStruct((), dtype, sharding=sh)
+
+    def lower_decode(self) -> jax.stages.Lowered:
+        """The decode loop with row substitution (`decode_and_swap`), lowered on abstract inputs."""
+        i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
+        args = (self.abstract_params(), self.abstract_state(), self.abstract_state(self.P, split_rows=False),
+                i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32())
+        return self._lower(self._decode, args)
+
+    def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
+        """The prefill program for prompts padded to `bucket` tokens, lowered on abstract inputs."""
+        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
+        args = (self.abstract_params(), jax.ShapeDtypeStruct((self.P, bucket), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((self.P,), jnp.int32, sharding=sh))
+        return self._lower(self._prefill, args)
+
+    def _lower(self, fn: Any, args: tuple) -> jax.stages.Lowered:
+        if self.mesh is None:
+            return fn.lower(*args)
+        with jax.set_mesh(self.mesh):
+            return fn.lower(*args)
+
+    def _new_state(self) -> DecodeState:
+        key = jax.random.PRNGKey(self._seed)
+        sh = self.state_shardings(self.B)
+        if self.mesh is None:
+            return jax.jit(lambda k: self._empty(self.B, k))(key)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(lambda k: self._empty(self.B, k), out_shardings=sh)(key)

@@ -1,0 +1,37 @@
+"""`logging.rollouts_every_n_steps`: the trained groups of a step, and the groups dropped while collecting it, as
+JSON lines. Each trainer host writes its own share to its own file (rollouts.jsonl, rollouts.rank1.jsonl, ...), so
+nothing is gathered over the network for logging."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+from asyncrl.inference.rollout import Rollout
+
+
+def rollouts_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "rollouts.jsonl" if rank == 0 else f"rollouts.rank{rank}.jsonl")
+
+
+def drop_record(step: int, rollout: Rollout, reason: str) -> dict[str, Any]:
+    """One dropped group ("lag" or "zero_variance"), as logged."""
+    return {"step": step, "pid": os.getpid(), "dropped": reason, "position": rollout.prompt.position,
+            "id": rollout.prompt.id, "oldest_version": rollout.oldest_version}
+
+
+def log_rollouts(path: str, step: int, version: int, rollouts: Sequence[Rollout], drops: Sequence[dict]) -> None:
+    with open(path, "a") as f:
+        for d in drops:
+            f.write(json.dumps(d) + "\n")
+        for r in rollouts:
+            f.write(json.dumps({
+                "step": step, "trainer_version": version, "pid": os.getpid(), "id": r.prompt.id,
+                "position": r.prompt.position, "worker": r.worker,
+                "completions": [{
+                    "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
+                    "n_tokens": int(len(c.tokens)),
+                    # [[first token index, version], ...]: one entry per run of equal versions
+                    "versions": [[0, c.start_version], *map(list, c.version_boundaries)] if len(c.tokens) else [],
+                } for c in r.completions]}) + "\n")

@@ -1,0 +1,10 @@
+"""The trainer mesh's axis names, defined once: the mesh, the batch shardings and the fused logprob kernel read
+them from here."""
+
+MESH_AXES = ("dp", "fsdp", "cp")
+DATA_AXES = ("dp", "fsdp")
+"""Mesh axes that split the batch dim."""
+CP_AXIS = "cp"
+"""The mesh axis that splits the sequence dim (Ulysses context parallelism); the logical axis "seq" maps to it."""
+TOKEN_AXES = (*DATA_AXES, CP_AXIS)
+"""Mesh axes that split flattened [B*T] tokens: a sequence-split batch is still split over cp once flattened."""
