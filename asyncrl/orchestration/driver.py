@@ -270,12 +270,12 @@ def run(cfg: Any) -> int:
     try:
         while True:
             resume_step = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+            if resume_step:  # before the bar, which draws itself at once
+                print(f"[asyncrl] resuming {run_dir} from checkpoint step {resume_step}", file=sys.stderr)
             progress = Progress(cfg.train.total_steps, resume_step or 0, cfg.logging.progress_every_n_steps) \
                 if cfg.logging.progress else None
             sink = MetricsSink(run_dir, cfg.logging.tensorboard, progress,
                                resume_from=resume_step if resume_step is not None else 0)
-            if resume_step:
-                print(f"[asyncrl] resuming {run_dir} from checkpoint step {resume_step}", file=sys.stderr)
             try:
                 _attempt(cfg, run_dir, sink, LOOPBACK if started else None)
                 break

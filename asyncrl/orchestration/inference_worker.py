@@ -84,7 +84,7 @@ class InferenceWorker:
                 self.gate.event.clear()
                 self.sync_stats = {"park_s": parked_s, "sync_s": time.perf_counter() - t0}
                 log.debug("weights v%d received in %.2fs (replicas parked in %.2fs)", self.gate.version,
-                         time.perf_counter() - t0, parked_s)
+                          time.perf_counter() - t0, parked_s)
         except BaseException as e:
             self.errors.append(e)
             self.stop.set()

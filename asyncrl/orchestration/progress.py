@@ -45,18 +45,21 @@ class Progress:
         self.last_eval: float | None = None
         self.initial = initial
         self.t0 = time.monotonic()
-        self.bar = None
-        if self.tty:
-            from tqdm import tqdm
+        self.bar: Any = None
+        self.closed = False
 
-            # Follow the terminal's size; a terminal that reports none (a bare pty: 0 x 0) gets 100 x 24, since
-            # tqdm draws nothing on a screen of 0 rows.
-            sized = _columns(self.stream) > 0
-            self.bar = tqdm(total=total, initial=initial, file=self.stream, unit="step",
-                            dynamic_ncols=sized, ncols=None if sized else 100, nrows=None if sized else 24,
-                            smoothing=0.1,
-                            # the fields go in `desc`, which tqdm prints as given ({postfix} gains a ", ")
-                            bar_format="asyncrl {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}<{remaining}]")
+    def _open_bar(self) -> Any:
+        """The bar appears with the first step, below the hosts' start-up lines (a bar drawn earlier would have
+        them appended to its line)."""
+        from tqdm import tqdm
+
+        # Follow the terminal's size; a terminal that reports none (a bare pty: 0 x 0) gets 100 x 24, since tqdm
+        # draws nothing on a screen of 0 rows.
+        sized = _columns(self.stream) > 0
+        return tqdm(total=self.total, initial=self.initial, file=self.stream, unit="step", dynamic_ncols=sized,
+                    ncols=None if sized else 100, nrows=None if sized else 24, smoothing=0.1,
+                    # the fields go in `desc`, which tqdm prints as given ({postfix} would gain a ", ")
+                    bar_format="asyncrl {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}<{remaining}]")
 
     def fields(self, row: dict[str, Any]) -> list[str]:
         """The short `name value` parts shown for a row (bar postfix and plain line alike)."""
@@ -76,7 +79,11 @@ class Progress:
     def update(self, row: dict[str, Any]) -> None:
         step = int(row["step"])
         parts = self.fields(row)
-        if self.bar is not None:
+        if self.tty:
+            if self.closed:
+                return
+            if self.bar is None:
+                self.bar = self._open_bar()
             self.bar.set_description_str(" | ".join(parts), refresh=False)
             self.bar.update(step - self.bar.n)
             return
@@ -89,6 +96,7 @@ class Progress:
         print(" | ".join([f"[asyncrl] step {step}/{self.total}", *parts, timing]), file=self.stream, flush=True)
 
     def close(self) -> None:
+        self.closed = True
         if self.bar is not None:
             self.bar.close()
             self.bar = None
