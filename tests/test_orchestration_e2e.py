@@ -85,6 +85,23 @@ def test_end_to_end_three_hosts(tmp_path):
                                                       capture_output=True, text=True).stdout
 
 
+@pytest.mark.slow
+def test_two_trainer_hosts_with_the_sync_behind_the_step(tmp_path):
+    """4 hosts, train_workers=2: the trainer slot spans two processes, whose train steps run gloo collectives while
+    the previous weights travel on each one's background sync thread (weightsync.overlap). Evals must see the
+    weights of their step, and a checkpoint lands mid-run."""
+    run_dir = str(tmp_path / "run")
+    res = launch(run_dir, *TINY, "run.hosts=4", "async.train_workers=2", "train.total_steps=8", "eval.every_n_steps=3",
+                 "checkpoint.every_n_steps=4")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    r = rows(run_dir)
+    assert [x["step"] for x in r] == list(range(1, 9)) and [x["weight_version"] for x in r] == list(range(1, 9))
+    assert all(x["weight_sync/trainer_blocked_s"] >= 0 and x["weight_sync_s"] > 0 for x in r)
+    with open(os.path.join(run_dir, "evals.jsonl")) as f:
+        assert [json.loads(x)["round"] for x in f] == [0, 3, 6, 8]  # every round, each after its step's sync
+    assert sorted(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.isdigit())[-1] == 8
+
+
 def test_bad_override_fails_fast(tmp_path):
     t0 = time.time()
     res = launch(str(tmp_path / "r"), "async.train_workers=2", "run.hosts=3")
