@@ -36,10 +36,12 @@ def log_event(kind, bucket, hop):
         os.close(fd)
 
 
-hc = HopChainTransfer(tw, bucket_mb=bucket_mb, hop_delay_s=delay, on_event=log_event if events else None)
+hc = HopChainTransfer(tw, bucket_mb=bucket_mb)
 init = lambda k: params_lib.cast(params_lib.init_params(model.cfg, k, jnp.float32), jnp.bfloat16)  # noqa: E731
 shapes = params_lib.shapes(model.cfg, jnp.bfloat16)
-for round_ in range(1 if events else 2):  # two syncs: the second reuses the compiled hops and must deliver the new values
+for round_ in range(2):  # two syncs: the second reuses the compiled hops and must deliver the new values
+    if round_ == 1 and events:  # the event-order test watches the second sync, its connections already open
+        hc.hop_delay_s, hc.on_event = delay, log_event
     key = jax.random.PRNGKey(round_)
     if hc.slot == 0:  # trainers: a global array over the trainer slot (spans tw processes)
         tree = jax.jit(init, out_shardings=jax.tree.map(lambda _: NamedSharding(hc.meshes[0], P()), shapes))(key)
