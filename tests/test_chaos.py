@@ -77,7 +77,9 @@ def test_chaos_three_kills_one_during_a_weight_sync(tmp_path):
     run_dir = str(tmp_path / "run")
     sync_step = int(rng.integers(8, 20))
     sync_rank = int(rng.integers(0, 3))
-    external = sorted(int(x) for x in rng.choice(np.arange(24, 56), size=2, replace=False))
+    # The last kill leaves 15 steps: with only 5, a fast machine could finish the run before Ray reports the death
+    # of an inference host (seen once in test_inference_host_killed).
+    external = sorted(int(x) for x in rng.choice(np.arange(24, 46), size=2, replace=False))
     external_ranks = [int(x) for x in rng.integers(0, 3, size=2)]
     schedule = f"seed {seed}: kill in weight sync {sync_step} on rank {sync_rank}; SIGKILL at steps {external} " \
                f"to ranks {external_ranks}"
