@@ -377,14 +377,15 @@ def profile(m: Loaded, dtype: str, eng: Engine, prompts: list[list[int]], new_to
     decode_ms = 1000 * ours["wall_s"] - prefill_ms  # one prefill per generate (max_prefill_prompts = batch)
     # The engine's forward alone (same shapes, donated cache) and the LM head alone, to separate the model from
     # the engine's per-step work (sampling, forcing, [B, S] bookkeeping, the while loop).
-    kv = m.model.init_kv_cache(batch, S, jnp.dtype(dtype))
-    kv = type(kv)(k=kv.k + 0, v=kv.v + 0, length=jnp.full((batch,), S // 2, jnp.int32))  # distinct buffers
+    kv = m.model.init_kv_cache(batch, S, jnp.dtype(dtype), per_layer=eng.cpu)  # the layout the engine decodes with
+    kv = type(kv)(k=jax.tree.map(lambda a: a + 0, kv.k), v=jax.tree.map(lambda a: a + 0, kv.v),
+                  length=jnp.full((batch,), S // 2, jnp.int32))  # distinct buffers
     fwd = jax.jit(lambda p, x, n, kv: m.model.apply(p, x, n, kv), donate_argnums=(3,))
     box = {"kv": kv}
     x, ones = jnp.ones((batch, 1), jnp.int32), jnp.ones((batch,), jnp.int32)
 
     def fwd_step():
-        logits, box["kv"] = fwd(m.params, x, ones, box["kv"])
+        logits, box["kv"] = fwd(eng.params, x, ones, box["kv"])
         return logits
 
     fwd_ms = _best_ms(fwd_step)

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.models import Model, preset
+from asyncrl.models import params as params_lib
 from asyncrl.models.attention import attention, cached_attention
 from asyncrl.sharding.rules import tensor_parallel_rules
 
@@ -60,18 +61,26 @@ def test_block_loop_stops_at_the_longest_row():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("block", [3, 8])
-def test_prefill_then_decode_steps_equal_full_forward(block):
+@pytest.mark.parametrize("block,unstacked", [(3, False), (8, False), (3, True)])
+def test_prefill_then_decode_steps_equal_full_forward(block, unstacked):
+    """unstacked: prefill and decode take per-layer weights and a per-layer cache (the engine's CPU layout, a
+    Python loop over layers); the full forward and the reference cache they are checked against are stacked."""
     model = dataclasses.replace(Model(preset("tiny")), kv_block=block)
-    params = model.init_params(jax.random.PRNGKey(1))
+    stacked = model.init_params(jax.random.PRNGKey(1))
+    params = params_lib.unstack_layers(stacked) if unstacked else stacked
+    assert isinstance(params.layers, tuple) == unstacked
     rng = np.random.default_rng(0)
     prompt = np.array([9, 2, 12, 5], np.int32)
     n_dec = 7
     full_lens = prompt + n_dec
     toks = rng.integers(1, model.cfg.vocab_size, size=(4, int(full_lens.max()))).astype(np.int32)
-    full, _ = jax.jit(model.apply)(params, toks, full_lens)
-    cache = model.init_kv_cache(4, 24)
-    assert cache.k.shape == (model.cfg.num_layers, 4, model.cfg.num_kv_heads, 24, model.cfg.head_dim)
+    full, _ = jax.jit(model.apply)(stacked, toks, full_lens)
+    cache = model.init_kv_cache(4, 24, per_layer=unstacked)
+    shape = (model.cfg.num_layers, 4, model.cfg.num_kv_heads, 24, model.cfg.head_dim)
+    if unstacked:
+        assert len(cache.k) == model.cfg.num_layers and all(leaf.shape == (1, *shape[1:]) for leaf in cache.k)
+    else:
+        assert cache.k.shape == shape
     width = 16
     ptoks = np.where(np.arange(width)[None] < prompt[:, None], toks[:, :width], 0)
     logits, cache = jax.jit(model.prefill, static_argnames="apply_lm_head")(params, ptoks, prompt, cache, apply_lm_head=True)
@@ -84,11 +93,27 @@ def test_prefill_then_decode_steps_equal_full_forward(block):
         np.testing.assert_allclose(np.asarray(logits)[:, 0], np.asarray(full)[rows, prompt + t], atol=1e-4)
     # The cache holds exactly what a fresh prefill of the whole sequences writes.
     ref = model.init_kv_cache(4, 24)
-    _, ref = jax.jit(model.prefill)(params, toks, full_lens, ref)
+    _, ref = jax.jit(model.prefill)(stacked, toks, full_lens, ref)
+    got_k, got_v = (np.concatenate(c) if unstacked else np.asarray(c) for c in (cache.k, cache.v))
     for b, n in enumerate(full_lens):
-        np.testing.assert_allclose(np.asarray(cache.k)[:, b, :, :n], np.asarray(ref.k)[:, b, :, :n], atol=1e-5)
-        np.testing.assert_allclose(np.asarray(cache.v)[:, b, :, :n], np.asarray(ref.v)[:, b, :, :n], atol=1e-5)
+        np.testing.assert_allclose(got_k[:, b, :, :n], np.asarray(ref.k)[:, b, :, :n], atol=1e-5)
+        np.testing.assert_allclose(got_v[:, b, :, :n], np.asarray(ref.v)[:, b, :, :n], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(cache.length), full_lens)
+
+
+def test_unstacked_layers_give_the_stacked_forward_and_gradients():
+    """The cache-free forward over per-layer weights equals the layer scan, values and gradients."""
+    model = Model(preset("tiny"))
+    stacked = model.init_params(jax.random.PRNGKey(2))
+    toks = np.random.default_rng(1).integers(1, model.cfg.vocab_size, size=(3, 11)).astype(np.int32)
+    lens = np.array([11, 6, 1], np.int32)
+    loss = lambda p: jnp.sum(model.get_logprobs(p, toks, lens))  # noqa: E731
+    a, ga = jax.jit(jax.value_and_grad(loss))(stacked)
+    b, gb = jax.jit(jax.value_and_grad(loss))(params_lib.unstack_layers(stacked))
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+    ga = params_lib.unstack_layers(ga)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
 def test_sharded_decode_step_equals_unsharded_and_gathers_no_table():

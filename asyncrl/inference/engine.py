@@ -29,6 +29,7 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.programs import DecodePrograms
 from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.inference.state import DecodeState, FinishedRow
+from asyncrl.models import params as params_lib
 from asyncrl.models.tokenizer import Tokenizer, bucket_length
 from asyncrl.models.transformer import Model
 
@@ -88,8 +89,6 @@ class Engine(DecodePrograms):
                          substitute=substitute)
         self.name = name
         self._lock = threading.Lock()
-        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-        self._cpu = all(d.platform == "cpu" for d in devices)
         self.params = self._prepare(params)
         self.version = version
         self.between_loops: Callable[[], None] = lambda: None
@@ -110,15 +109,16 @@ class Engine(DecodePrograms):
             self.params, self.version = params, version
 
     def _prepare(self, params: Any) -> Any:
-        """The weights as this replica decodes with them. On the CPU, bf16/f16 leaves become f32 once per weight
-        sync: XLA:CPU has no fast half-precision matmul and would otherwise convert every layer's weights on
-        every step. Other backends decode with the trainer's tree as it is."""
-        if params is None or not self._cpu:
+        """The weights as this replica decodes with them, made once per weight sync. On the CPU:
+        - bf16/f16 leaves become f32: XLA:CPU has no fast half-precision matmul and would otherwise convert every
+          layer's weights on every step;
+        - the stacked layers are split into per-layer arrays (`params.unstack_layers`): a scan over stacked
+          weights copies each layer's slice before its matmuls on every step, a second pass over all weights.
+        Other backends decode with the trainer's tree as it is (TPU fuses the slice into the matmul)."""
+        if params is None or not self.cpu or isinstance(params.layers, tuple):
             return params
-        if all(x.dtype not in (jnp.bfloat16, jnp.float16) for x in jax.tree.leaves(params)):
-            return params
-        cast = jax.jit(lambda p: jax.tree.map(
-            lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, p))
+        cast = jax.jit(lambda p: params_lib.unstack_layers(jax.tree.map(
+            lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, p)))
         if self.mesh is None:
             return cast(params)
         with jax.set_mesh(self.mesh):

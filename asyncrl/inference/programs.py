@@ -42,6 +42,11 @@ class DecodePrograms:
             self.phrase = self._think_phrase()
         self._seed = seed
         self._substitute = substitute
+        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+        self.cpu = all(d.platform == "cpu" for d in devices)
+        """On the CPU a replica decodes with per-layer weights and a per-layer KV cache (tuples of arrays, one per
+        layer, looped over in Python): XLA:CPU copies a layer's slice out of stacked arrays before every matmul
+        that reads it. Other backends keep the stacked trees and the layer scan (TPU reads the slice in place)."""
         # Pinned output shardings keep the donated state's layout fixed across calls (no silent relayouts).
         state_sh = self.state_shardings(self.B)
         self._decode = jax.jit(
@@ -79,7 +84,7 @@ class DecodePrograms:
         if self.mesh is None:
             return None
         m, b = self.mesh, (self._data_spec() if split_rows else None)
-        kv = self.model.kv_cache_sharding(m, rows, self.S, self.kv_dtype)
+        kv = self.model.kv_cache_sharding(m, rows, self.S, self.kv_dtype, per_layer=self.cpu)
         if not split_rows:
             kv = jax.tree.map(lambda ns: NamedSharding(m, P(*[None if i == 1 else e for i, e in enumerate(ns.spec)])), kv)
             kv.length = NamedSharding(m, P(None))
@@ -94,11 +99,16 @@ class DecodePrograms:
 
     def _empty(self, rows: int, key: jax.Array, split_rows: bool = True) -> DecodeState:
         c = self.model.cfg
-        kv_shape = (c.num_layers, rows, c.num_kv_heads, self.S, c.head_dim)
-        z = jnp.zeros(kv_shape, self.kv_dtype)
+        if self.cpu:
+            zeros = lambda: tuple(jnp.zeros((1, rows, c.num_kv_heads, self.S, c.head_dim), self.kv_dtype)  # noqa: E731
+                                  for _ in range(c.num_layers))
+            kv = KVCache(k=zeros(), v=zeros(), length=jnp.zeros((rows,), jnp.int32))
+        else:
+            z = jnp.zeros((c.num_layers, rows, c.num_kv_heads, self.S, c.head_dim), self.kv_dtype)
+            kv = KVCache(k=z, v=z, length=jnp.zeros((rows,), jnp.int32))
         state = DecodeState(
             next_token=jnp.zeros((rows,), jnp.int32),
-            kv=KVCache(k=z, v=z, length=jnp.zeros((rows,), jnp.int32)),
+            kv=kv,
             key=key,
             row_key=jnp.zeros((rows, 2), jnp.uint32),
             tokens=jnp.full((rows, self.S), self.pad_id, jnp.int32),
@@ -255,13 +265,16 @@ class DecodePrograms:
     # The programs above, lowered from abstract values only: what `launch.py aot` compiles for a TPU slice.
 
     def abstract_params(self) -> Any:
-        """ShapeDtypeStructs of the weights this replica decodes with (`inference.params_dtype`, its layout)."""
+        """ShapeDtypeStructs of the weights this replica decodes with (`inference.params_dtype`, its layout; on
+        the CPU what `Engine.set_params` makes of them: per-layer, half precision as float32)."""
         dtype = jnp.dtype(self.cfg.params_dtype)
+        if self.cpu and dtype in (jnp.bfloat16, jnp.float16):
+            dtype = jnp.dtype(jnp.float32)
         shapes = params_lib.shapes(self.model.cfg, dtype)
-        if self.mesh is None:
-            return shapes
-        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
-                            self.model.param_shardings(self.mesh, dtype))
+        if self.mesh is not None:
+            shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                                  self.model.param_shardings(self.mesh, dtype))
+        return params_lib.unstack_layers(shapes) if self.cpu else shapes
 
     def abstract_state(self, rows: int | None = None, split_rows: bool = True) -> DecodeState:
         """ShapeDtypeStructs of a decode state (`rows` = max_decode_batch_size) or, with split_rows=False, of a

@@ -68,7 +68,9 @@ def insert_row(state: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.
     def mv(dst, src, axis=0):
         return _row_update(dst, _row_take(src, p, axis), row, axis)
 
-    kv = KVCache(k=mv(state.kv.k, prefill.kv.k, 1), v=mv(state.kv.v, prefill.kv.v, 1), length=mv(state.kv.length, prefill.kv.length))
+    rows_of = lambda dst, src: jax.tree.map(lambda d, s: mv(d, s, 1), dst, src)  # noqa: E731 (stacked or per-layer)
+    kv = KVCache(k=rows_of(state.kv.k, prefill.kv.k), v=rows_of(state.kv.v, prefill.kv.v),
+                 length=mv(state.kv.length, prefill.kv.length))
     one = lambda v, dtype: jnp.full((1,), v, dtype)  # noqa: E731
     return DecodeState(
         next_token=mv(state.next_token, prefill.next_token),

@@ -3,6 +3,10 @@
 Leaves are [L, B, K, S, Dh] (see `attention.py`: the layout attention reads without a transpose). A forward
 returns only its new tokens' K/V ([L, B, K, T, Dh]) from the layer loop and `write_new` puts them in once, so
 the loop never copies a layer's cache out and back.
+
+Per-layer form (the inference engine on the CPU, with per-layer weights: `params.unstack_layers`): k and v are
+tuples of L arrays [1, B, K, S, Dh], each written in place by its own layer. Everything that works on rows
+(axis 1) maps over the tuple.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ LENGTH_AXES = ("batch",)
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    k: Any  # [L, B, K, S, Dh]
-    v: Any  # [L, B, K, S, Dh]
+    k: Any  # [L, B, K, S, Dh], or a tuple of L [1, B, K, S, Dh] (per-layer form)
+    v: Any  # same as k
     length: Any  # [B] int32: valid positions per row; the next token of row b is written at length[b]
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[3]
+        return jax.tree.leaves(self.k)[0].shape[3]
 
 
 def write_new(cache_k: jax.Array, cache_v: jax.Array, new_k: jax.Array, new_v: jax.Array, start: jax.Array

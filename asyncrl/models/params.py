@@ -137,3 +137,23 @@ def count(params: Params) -> int:
 
 def replace(params: Params, **kw: Any) -> Params:
     return dataclasses.replace(params, **kw)
+
+
+def unstack_layers(params: Params) -> Params:
+    """`params.layers` as a tuple of per-layer LayerParams (no leading [L] axis): the forward then loops over
+    layers in Python instead of scanning. XLA:CPU copies a layer's weights out of the stacked arrays on every
+    scan step before its matmuls read them (a second pass over all the weights per decode step); separate
+    arrays are read in place. Inference on the CPU only: training and TPU programs keep the stacked tree."""
+    if isinstance(params.layers, tuple):
+        return params
+    n = jax.tree.leaves(params.layers)[0].shape[0]
+
+    def layer(x: Any, i: int) -> Any:
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x[i]
+        sh = x.sharding  # abstract (ahead-of-time) trees: the same layout less the layer axis
+        if isinstance(sh, jax.sharding.NamedSharding):
+            sh = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*sh.spec[1:]))
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sh)
+
+    return replace(params, layers=tuple(jax.tree.map(lambda x, i=i: layer(x, i), params.layers) for i in range(n)))

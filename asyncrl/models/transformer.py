@@ -75,26 +75,35 @@ class Model:
 
     # ---- caches ---------------------------------------------------------------------------------------------
 
-    def init_kv_cache(self, batch: int, length: int, dtype: Any = jnp.float32, sharding: Any = None) -> KVCache:
-        """Zeroed cache of `length` positions. `sharding` is a KVCache of shardings, a mesh (rules apply), or None."""
+    def init_kv_cache(self, batch: int, length: int, dtype: Any = jnp.float32, sharding: Any = None,
+                      per_layer: bool = False) -> KVCache:
+        """Zeroed cache of `length` positions. `sharding` is a KVCache of shardings, a mesh (rules apply), or None.
+        `per_layer`: k and v are tuples of one [1, B, K, S, Dh] array per layer (kvcache.py: the CPU layout)."""
         c = self.cfg
         shape = (c.num_layers, batch, c.num_kv_heads, length, c.head_dim)
         if isinstance(sharding, jax.sharding.Mesh):
-            sharding = self.kv_cache_sharding(sharding, batch, length, dtype)
+            sharding = self.kv_cache_sharding(sharding, batch, length, dtype, per_layer)
 
         def make():
+            length0 = jnp.zeros((batch,), jnp.int32)
+            if per_layer:
+                z = tuple(jnp.zeros((1, *shape[1:]), dtype) for _ in range(c.num_layers))
+                return KVCache(k=z, v=tuple(jnp.zeros_like(x) for x in z), length=length0)
             z = jnp.zeros(shape, dtype)
-            return KVCache(k=z, v=z, length=jnp.zeros((batch,), jnp.int32))
+            return KVCache(k=z, v=z, length=length0)
 
         if sharding is None:
             return make()
         return jax.jit(make, out_shardings=sharding)()
 
-    def kv_cache_sharding(self, mesh: jax.sharding.Mesh, batch: int, length: int, dtype: Any = jnp.float32) -> KVCache:
+    def kv_cache_sharding(self, mesh: jax.sharding.Mesh, batch: int, length: int, dtype: Any = jnp.float32,
+                          per_layer: bool = False) -> KVCache:
         rules = self.rules or ShardingRules()
         c = self.cfg
-        shape = (c.num_layers, batch, c.num_kv_heads, length, c.head_dim)
+        shape = (1 if per_layer else c.num_layers, batch, c.num_kv_heads, length, c.head_dim)
         kv = rules.sharding(mesh, KV_AXES, shape, name="kv_cache")
+        if per_layer:
+            kv = (kv,) * c.num_layers
         return KVCache(k=kv, v=kv, length=rules.sharding(mesh, LENGTH_AXES, (batch,), name="kv_cache.length"))
 
     # ---- explicit sharding ----------------------------------------------------------------------------------
@@ -249,7 +258,14 @@ class Model:
         cos, sin = rope_tables(c, jax.sharding.reshard(q_pos, self._act_spec(mesh, 2, seq)) if seq else q_pos)
         own_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))  # positions within the call
 
-        def block(h: jax.Array, layer: LayerParams, index: jax.Array | None):
+        def mlp(h: jax.Array, layer: LayerParams) -> jax.Array:
+            with jax.named_scope("mlp"):
+                m = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
+                gate = jnp.einsum("btd,df->btf", m, layer.w_gate)
+                up = jnp.einsum("btd,df->btf", m, layer.w_up)
+                return h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down, seq)
+
+        def block(h: jax.Array, layer: LayerParams, index: jax.Array | int | None):
             layer = jax.tree.map(self._use, layer)
             with jax.named_scope("attn"):
                 a = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
@@ -274,16 +290,23 @@ class Model:
                     if seq:
                         with jax.named_scope("ulysses"):
                             o = jax.sharding.reshard(o, self._act_spec(mesh, 4, seq))
+                elif attend_cache and isinstance(kv_cache.k, tuple):
+                    # Per-layer cache leaves [1, B, K, S, Dh]: this layer's new K/V are written first and its
+                    # attention reads the written leaf (the new positions sit at >= start, which the prefix
+                    # read masks; they are read from k, v directly). Read-after-write is a data dependency, so
+                    # the write is in place; a write after the read depends on nothing the read makes, and XLA
+                    # copies the leaf to keep the read safe.
+                    ck, cv = write_new(kv_cache.k[index], kv_cache.v[index], jnp.swapaxes(k, 1, 2)[None],
+                                       jnp.swapaxes(v, 1, 2)[None], start)
+                    o = cached_attention(q, k, v, ck, cv, 0, start, sequence_lens, self.kv_block)
+                    h = h + self._contract("bthk,hkd->btd", o, layer.wo, seq)
+                    return mlp(h, layer), (ck, cv)
                 elif attend_cache:
                     o = cached_attention(q, k, v, kv_cache.k, kv_cache.v, index, start, sequence_lens, self.kv_block)
                 else:
                     o = attention(q, k, v, own_pos, sequence_lens)
                 h = h + self._contract("bthk,hkd->btd", o, layer.wo, seq)
-            with jax.named_scope("mlp"):
-                m = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
-                gate = jnp.einsum("btd,df->btf", m, layer.w_gate)
-                up = jnp.einsum("btd,df->btf", m, layer.w_up)
-                h = h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down, seq)
+            h = mlp(h, layer)
             # This call's K/V as [B, K, T, Dh], the cache layout: written once, after the layer loop.
             return h, (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
 
@@ -296,14 +319,36 @@ class Model:
                 policy = {"full": jax.checkpoint_policies.nothing_saveable,
                           "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[self.remat_policy]
                 body = jax.checkpoint(body, policy=policy)
-            h, _ = jax.lax.scan(body, h, params.layers)
+            if isinstance(params.layers, tuple):  # unstacked (params.unstack_layers): a Python loop
+                for layer in params.layers:
+                    h, _ = body(h, layer)
+            else:
+                h, _ = jax.lax.scan(body, h, params.layers)
             new_cache = None
         else:
-            # The cache is read inside the loop (a loop-invariant operand: each layer reads its own blocks) but
-            # is neither an xs nor a carry, so no step copies a layer of it out and back.
-            h, (ks, vs) = jax.lax.scan(lambda h, xs: block(h, *xs), h,
-                                       (params.layers, jnp.arange(c.num_layers, dtype=jnp.int32)))
-            new_cache = self._write_cache(kv_cache, ks, vs, start, kv_len, attend_cache)
+            if isinstance(kv_cache.k, tuple):  # per-layer cache (the engine on the CPU)
+                if not isinstance(params.layers, tuple):
+                    raise ValueError("a per-layer KV cache needs per-layer weights (params.unstack_layers)")
+                new_k, new_v = [], []
+                for i, layer in enumerate(params.layers):
+                    h, (k_i, v_i) = block(h, layer, i)
+                    if not attend_cache:  # a prefill: the leaf is written after (it reads no cache)
+                        k_i, v_i = write_prefix(kv_cache.k[i], kv_cache.v[i], k_i[None], v_i[None])
+                    new_k.append(k_i)
+                    new_v.append(v_i)
+                new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), length=kv_len)
+            elif isinstance(params.layers, tuple):  # per-layer weights, stacked cache
+                outs = [None] * c.num_layers
+                for i, layer in enumerate(params.layers):
+                    h, outs[i] = block(h, layer, i)
+                ks, vs = jnp.stack([k for k, _ in outs]), jnp.stack([v for _, v in outs])
+                new_cache = self._write_cache(kv_cache, ks, vs, start, kv_len, attend_cache)
+            else:
+                # The cache is read inside the loop (a loop-invariant operand: each layer reads its own blocks)
+                # but is neither an xs nor a carry, so no step copies a layer of it out and back.
+                h, (ks, vs) = jax.lax.scan(lambda h, xs: block(h, *xs), h,
+                                           (params.layers, jnp.arange(c.num_layers, dtype=jnp.int32)))
+                new_cache = self._write_cache(kv_cache, ks, vs, start, kv_len, attend_cache)
 
         h = rms_norm(h, self._use(params.final_norm), c.rms_norm_eps)
         if not apply_lm_head:
