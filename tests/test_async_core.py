@@ -602,3 +602,46 @@ def test_a_failed_sync_is_raised_on_the_trainer():
     tw.sync_weights()
     with pytest.raises(RuntimeError, match="hop 1 .* bucket 2/5"):
         tw.sync_weights()
+
+
+def test_sync_gate_back_to_back_syncs_do_not_strand_a_parked_replica(monkeypatch):
+    """Two syncs signalled at once (the trainer was waiting on the first, then signals the next at once): the
+    monitor re-parks for the second right after releasing the first. A replica still in its park loop from the
+    first must count for the second, not wait forever on a gate that is closed again (the CI chaos run that
+    stalled 90 s at version 52 with every replica parked)."""
+    import asyncrl.orchestration.inference_worker as iw
+
+    monkeypatch.setattr(iw, "place_params", lambda p, sh: p)
+    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=3),
+                          eval=SimpleNamespace(num_prompts=4))
+    qs = {"weight_sync": FakeQueue(0)}
+    w = InferenceWorker(cfg, 1, "/tmp", qs)
+    engines = [FakeEngine("r0", 0.0), FakeEngine("r1", 0.0)]
+    w.replicas = SimpleNamespace(engines=engines)
+    landed = []
+
+    class Transfer:
+        def transfer(self, params, shapes):
+            landed.append(1)
+            return {"w": Leaf(len(landed))}, {}
+
+    w.transfer, w.shapes = Transfer(), None
+    w.gate.params, w.gate.version = {"w": Leaf(0)}, 0
+
+    def replica(e):
+        while not w.stop.is_set():
+            w._maybe_update(e)
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=replica, args=(e,), daemon=True) for e in engines]
+    threads.append(threading.Thread(target=w._monitor, daemon=True))
+    for t in threads:
+        t.start()
+    last = 40
+    for v in range(1, last + 1):  # every sync's signal already queued: the monitor re-parks at once
+        qs["weight_sync"].put({"version": v})
+    ok = wait_until(lambda: all(e.version == last for e in engines) or w.errors, timeout=20)
+    w.stop.set()
+    assert not w.errors, w.errors
+    assert ok and [e.version for e in engines] == [last, last]
+    assert len(landed) == last

@@ -30,15 +30,35 @@ log = logging.getLogger(__name__)
 
 
 class SyncGate:
-    """The event + condition pair that parks replicas while new weights arrive."""
+    """Parks the replicas while new weights arrive, counted per sync so that back-to-back syncs cannot strand one.
+
+    The monitor opens sync k (`requested = k`) and waits until every replica has parked for it; each replica parks
+    at most once per sync and waits until `released >= k`. With a boolean event instead, a replica that had not yet
+    seen sync k end when sync k+1 began (the trainer signals the next sync as soon as the last one lands) kept
+    waiting on the re-set event, its park for k+1 never counted, and the whole job stalled."""
 
     def __init__(self) -> None:
-        self.event = threading.Event()
         self.cond = threading.Condition()
-        self.ready = 0
+        self.requested = 0  # syncs the monitor has opened
+        self.released = 0  # syncs whose weights have landed (or that failed)
+        self.parked = 0  # replicas parked for sync `requested`
         self.lock = threading.Lock()  # guards params / version
         self.params: Any = None
         self.version = -1
+
+    def open(self) -> None:
+        with self.cond:
+            self.requested += 1
+            self.parked = 0
+            self.cond.notify_all()
+
+    def release(self) -> None:
+        with self.cond:
+            self.released = self.requested
+            self.cond.notify_all()
+
+    def pending(self) -> bool:
+        return self.requested > self.released
 
 
 class InferenceWorker:
@@ -66,13 +86,12 @@ class InferenceWorker:
                 t0 = time.perf_counter()
                 n = len(self.replicas.engines) if self.replicas is not None else 0
                 park = self.cfg.async_.park_timeout_s
+                self.gate.open()
                 with self.gate.cond:
-                    self.gate.ready = 0
-                    self.gate.event.set()
-                    ok = self.gate.cond.wait_for(lambda: self.gate.ready >= n, timeout=park)
+                    ok = self.gate.cond.wait_for(lambda: self.gate.parked >= n, timeout=park)
                 if not ok:
                     raise TimeoutError(f"inference{self.rank} monitor waited {park:g}s (async.park_timeout_s) for "
-                                       f"{n} replicas to park for weight sync v{msg['version']} (got {self.gate.ready})")
+                                       f"{n} replicas to park for weight sync v{msg['version']} (got {self.gate.parked})")
                 parked_s = time.perf_counter() - t0
                 faults.point("weight_sync", self.rank, int(msg["version"]), self.run_dir)
                 with self.gate.lock:
@@ -81,27 +100,28 @@ class InferenceWorker:
                         self.gate.params = None
                     new, _ = self.transfer.transfer(None, self.shapes)
                     self.gate.params, self.gate.version = new, int(msg["version"])
-                self.gate.event.clear()
+                self.gate.release()
                 self.sync_stats = {"park_s": parked_s, "sync_s": time.perf_counter() - t0}
                 log.debug("weights v%d received in %.2fs (replicas parked in %.2fs)", self.gate.version,
                           time.perf_counter() - t0, parked_s)
         except BaseException as e:
             self.errors.append(e)
             self.stop.set()
-            self.gate.event.clear()
+            self.gate.release()
 
     def _maybe_update(self, engine: Engine) -> None:
         """Called by each replica between decode loops (the engine's `between_loops` hook)."""
         if self.errors:
             raise RuntimeError(f"inference{self.rank} stopped: {self.errors[0]!r}")
-        if not self.gate.event.is_set() and engine.version == self.gate.version:
+        if not self.gate.pending() and engine.version == self.gate.version:
             return
-        if self.gate.event.is_set():
-            with self.gate.cond:
-                self.gate.ready += 1
+        with self.gate.cond:
+            if self.gate.pending():  # park once for the sync open now, and wait for that sync alone
+                k = self.gate.requested
+                self.gate.parked += 1
                 self.gate.cond.notify_all()
-            while self.gate.event.is_set() and not self.stop.is_set():
-                time.sleep(0.005)
+                while self.gate.released < k and not self.stop.is_set():
+                    self.gate.cond.wait(0.1)  # a slice: a stop set elsewhere notifies no one
         with self.gate.lock:
             if self.gate.params is not None and engine.version != self.gate.version:
                 engine.set_params(place_params(self.gate.params, engine.model.param_shardings(engine.mesh)),
