@@ -112,3 +112,15 @@ def test_no_import_cycles():
     assert _cycles(graph) == []
     # The checker finds a cycle when there is one (the task registry's old shape: base imported the tasks).
     assert _cycles({**graph, "asyncrl.tasks.base": graph["asyncrl.tasks.base"] | {"asyncrl.tasks.digits"}})
+
+
+def test_no_module_over_400_lines_unless_its_docstring_says_why():
+    """One concept per file: a module under asyncrl/ past 400 lines must say in its docstring why it stays one file
+    ("past the usual ~400 lines")."""
+    root = pathlib.Path(__file__).resolve().parent.parent / "asyncrl"
+    long = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 400 and "past the usual ~400 lines" not in (ast.get_docstring(ast.parse(text)) or ""):
+            long.append(f"{path.relative_to(root.parent)}: {text.count(chr(10))} lines")
+    assert not long, long

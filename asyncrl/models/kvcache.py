@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 # Logical axes of the cache leaves, for the sharding rules table.
@@ -32,6 +33,33 @@ class KVCache:
     @property
     def max_length(self) -> int:
         return jax.tree.leaves(self.k)[0].shape[3]
+
+
+def zeros(cfg: Any, batch: int, length: int, dtype: Any, sharding: "KVCache | None" = None,
+          per_layer: bool = False) -> KVCache:
+    """Zeroed cache of `length` positions for a model config, placed by `sharding` (a KVCache of shardings) when
+    given. `per_layer`: k and v are tuples of one [1, B, K, S, Dh] array per layer."""
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+
+    def make() -> KVCache:
+        length0 = jnp.zeros((batch,), jnp.int32)
+        if per_layer:
+            z = tuple(jnp.zeros((1, *shape[1:]), dtype) for _ in range(cfg.num_layers))
+            return KVCache(k=z, v=tuple(jnp.zeros_like(x) for x in z), length=length0)
+        z = jnp.zeros(shape, dtype)
+        return KVCache(k=z, v=z, length=length0)
+
+    return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
+
+
+def shardings(cfg: Any, rules: Any, mesh: jax.sharding.Mesh, batch: int, length: int, per_layer: bool = False
+              ) -> KVCache:
+    """The cache's shardings from the rules table (logical axes KV_AXES, LENGTH_AXES)."""
+    shape = (1 if per_layer else cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+    kv = rules.sharding(mesh, KV_AXES, shape, name="kv_cache")
+    if per_layer:
+        kv = (kv,) * cfg.num_layers
+    return KVCache(k=kv, v=kv, length=rules.sharding(mesh, LENGTH_AXES, (batch,), name="kv_cache.length"))
 
 
 def write_new(cache_k: jax.Array, cache_v: jax.Array, new_k: jax.Array, new_v: jax.Array, start: jax.Array

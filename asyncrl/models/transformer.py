@@ -11,17 +11,13 @@ Sequence semantics (shared by training, prefill and decode):
   (`attention.cached_attention`); the layer loop returns only the new K/V, written once after it. A decode step
   is a call with T=1. `prefill` fills empty rows from position 0 and attends only over the prompt bucket.
 
-Context parallelism (Ulysses). When the sharding rules map the logical axis "seq" onto mesh axes of size > 1
-(the trainer's "cp"), a cache-free forward keeps every [B, T, ...] activation split over T. Around attention an
-all-to-all turns q, k, v from sequence-split [B, T/n, H, Dh] into head-split [B, T, H/n, Dh], attention runs on
-whole sequences locally, and a second all-to-all turns its output back before `wo`. Calls with a KV cache
-(prefill, decode) never split the sequence: CP is a training layout only.
+Context parallelism (Ulysses, `ulysses.py`): a cache-free forward may keep its activations split over T, with
+attention run head-split between two all-to-alls. Calls with a KV cache never split the sequence.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from asyncrl.models import params as params_lib
+from asyncrl.models import kvcache, params as params_lib, ulysses
 from asyncrl.models.config import ModelConfig
 from asyncrl.models.flash import block_size, flash_attention_train
 from asyncrl.models.attention import attention, cached_attention
-from asyncrl.models.kvcache import KV_AXES, LENGTH_AXES, KVCache, write_new, write_prefix
+from asyncrl.models.kvcache import KVCache, write_new, write_prefix
 from asyncrl.models.params import LayerParams, Params
 from asyncrl.models.rope import apply_rope, rope_tables
 from asyncrl.sharding.rules import ShardingRules, drop_axes, spec_entry
@@ -77,34 +73,14 @@ class Model:
 
     def init_kv_cache(self, batch: int, length: int, dtype: Any = jnp.float32, sharding: Any = None,
                       per_layer: bool = False) -> KVCache:
-        """Zeroed cache of `length` positions. `sharding` is a KVCache of shardings, a mesh (rules apply), or None.
-        `per_layer`: k and v are tuples of one [1, B, K, S, Dh] array per layer (kvcache.py: the CPU layout)."""
-        c = self.cfg
-        shape = (c.num_layers, batch, c.num_kv_heads, length, c.head_dim)
+        """Zeroed cache (`kvcache.zeros`); `sharding` is a KVCache of shardings, a mesh (rules apply), or None."""
         if isinstance(sharding, jax.sharding.Mesh):
             sharding = self.kv_cache_sharding(sharding, batch, length, dtype, per_layer)
-
-        def make():
-            length0 = jnp.zeros((batch,), jnp.int32)
-            if per_layer:
-                z = tuple(jnp.zeros((1, *shape[1:]), dtype) for _ in range(c.num_layers))
-                return KVCache(k=z, v=tuple(jnp.zeros_like(x) for x in z), length=length0)
-            z = jnp.zeros(shape, dtype)
-            return KVCache(k=z, v=z, length=length0)
-
-        if sharding is None:
-            return make()
-        return jax.jit(make, out_shardings=sharding)()
+        return kvcache.zeros(self.cfg, batch, length, dtype, sharding, per_layer)
 
     def kv_cache_sharding(self, mesh: jax.sharding.Mesh, batch: int, length: int, dtype: Any = jnp.float32,
                           per_layer: bool = False) -> KVCache:
-        rules = self.rules or ShardingRules()
-        c = self.cfg
-        shape = (1 if per_layer else c.num_layers, batch, c.num_kv_heads, length, c.head_dim)
-        kv = rules.sharding(mesh, KV_AXES, shape, name="kv_cache")
-        if per_layer:
-            kv = (kv,) * c.num_layers
-        return KVCache(k=kv, v=kv, length=rules.sharding(mesh, LENGTH_AXES, (batch,), name="kv_cache.length"))
+        return kvcache.shardings(self.cfg, self.rules or ShardingRules(), mesh, batch, length, per_layer)
 
     # ---- explicit sharding ----------------------------------------------------------------------------------
     # Under an Explicit mesh every op must have an unambiguous output sharding. Two things need saying:
@@ -136,32 +112,6 @@ class Model:
         """[B*T, ...] flattened positions: merging a B split over the batch axes with a T split over the seq axes
         is a split over both, in that order, so flattening moves no data."""
         return P(spec_entry(self._batch_axes(mesh) + self.seq_axes(mesh)), *([None] * (ndim - 1)))
-
-    def _check_context_parallel(self, T: int, seq: tuple[str, ...], mesh) -> None:
-        n = math.prod(mesh.shape[a] for a in seq)
-        if T % n:
-            raise ValueError(f"sequence length {T} does not divide over the {n}-way context-parallel mesh axes {seq} "
-                             f"(sharding.mesh.cp_ulysses): pad the batch to a multiple of {n} "
-                             "(train.pad_to_multiple)")
-        if self.cfg.num_heads % n:
-            raise ValueError(f"num_heads={self.cfg.num_heads} does not divide over {n}-way context parallelism "
-                             "(sharding.mesh.cp_ulysses): Ulysses splits attention heads over the cp axis")
-
-    def _ulysses_to_heads(self, q: jax.Array, k: jax.Array, v: jax.Array, mesh, seq: tuple[str, ...]
-                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Sequence-split q [B, T/n, H, Dh], k, v [B, T/n, K, Dh] -> head-split [B, T, H/n, Dh], [B, T, K'/n, Dh].
-
-        Each reshard lowers to one all-to-all over `seq`. When K does not divide by n (GQA with few KV heads),
-        each KV head is first repeated r = n / gcd(K, n) times: K' = lcm(K, n) heads still serve consecutive
-        groups of H / K' query heads, which is how `attention` groups them (r divides H / K because n divides
-        H). A device then holds K' / n <= K heads of the whole sequence: never more traffic or memory than
-        gathering k, v over the sequence, and the repeat's backward sums the copies' gradients."""
-        n = math.prod(mesh.shape[a] for a in seq)
-        r = n // math.gcd(k.shape[2], n)
-        if r > 1:
-            k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
-        heads = P(spec_entry(self._batch_axes(mesh)), None, spec_entry(seq), None)
-        return tuple(jax.sharding.reshard(x, heads) for x in (q, k, v))  # type: ignore[return-value]
 
     def _use(self, w: jax.Array) -> jax.Array:
         """Compute view of a stored weight: FSDP shards gathered, tensor-parallel shards kept."""
@@ -247,7 +197,7 @@ class Model:
         mesh = _explicit_mesh()
         seq = () if mesh is None or kv_cache is not None else self.seq_axes(mesh)  # context-parallel axes
         if seq:
-            self._check_context_parallel(T, seq, mesh)
+            ulysses.check(self.cfg, T, seq, mesh)
         with jax.named_scope("embed"):
             h = self._embed(params.embed, x, mesh, seq)  # [B, T, D]
         start = kv_cache.length if kv_cache is not None and attend_cache else jnp.zeros((B,), jnp.int32)
@@ -282,7 +232,7 @@ class Model:
                 if kv_cache is None:
                     if seq:
                         with jax.named_scope("ulysses"):
-                            q, k, v = self._ulysses_to_heads(q, k, v, mesh, seq)
+                            q, k, v = ulysses.to_heads(q, k, v, mesh, self._batch_axes(mesh), seq)
                     if self.flash and block_size(T) is not None:
                         o = flash_attention_train(q, k, v, kv_len)  # never writes [T, T] scores to HBM
                     else:

@@ -7,7 +7,7 @@ Mesh axes are ("dp", "fsdp", "cp"), all `AxisType.Explicit`:
 - cp: context (sequence) parallel, Ulysses style. The rules table maps the logical axis "seq" to it, so the
   sequence dim of the batch's [B, T] leaves and of every training activation [B, T, ...] is split over cp.
   Around attention an all-to-all swaps that split for a split over heads, attention runs on whole sequences,
-  and a second all-to-all swaps back (`Model._ulysses_to_heads`). Params and optimizer state are replicated
+  and a second all-to-all swaps back (`models/ulysses.py`). Params and optimizer state are replicated
   over cp (FSDP shards them over fsdp only), so cp cuts activation memory, not state memory; XLA reduces
   gradients over (dp, fsdp, cp). Constraints: num_heads divides by cp (KV heads need not: they are repeated
   up to a multiple of cp); a batch's padded length T divides by cp (`shard_batch` raises otherwise: make
