@@ -79,7 +79,7 @@ def test_plan_buckets_keep_a_row_larger_than_the_bucket_whole():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,tw,ndev", [(3, 1, 1), (4, 2, 1), (4, 1, 1), (3, 1, 2), (4, 2, 2)])
+@pytest.mark.parametrize("n,tw,ndev", [(2, 1, 1), (3, 1, 1), (4, 2, 1), (4, 1, 1), (3, 1, 2), (4, 2, 2)])
 @pytest.mark.parametrize("bucket_mb", [SMALLER_THAN_A_LEAF, LARGER_THAN_THE_MODEL])
 def test_hop_chain_bit_exact(n, tw, ndev, bucket_mb):
     results = _run(n, tw, ndev, bucket_mb)
@@ -126,3 +126,40 @@ def test_hop_chain_pipelines_buckets_over_four_receivers(tmp_path):
     assert ev("recv", 4, 0) < ev("recv", 1, n_b - 1)
     for slot in range(1, 4):
         assert ev("send", slot, 0) < ev("recv", slot, n_b - 1)
+
+
+ABSENT_PEER = r"""
+import os, sys, time
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+from asyncrl.weightsync.transfer import HopChainTransfer, enable_cpu_transfers
+enable_cpu_transfers()
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+hc = HopChainTransfer(1, timeout_s=2)
+if rank == 1:  # the receiver never comes to the sync
+    time.sleep(8)
+    os._exit(0)
+try:
+    hc.transfer({"w": jax.device_put(jnp.ones(4), hc.shardings[0])})
+except TimeoutError as e:
+    print("ERROR", e, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_peer_missing_from_the_sync_is_a_named_timeout_not_a_hang():
+    port = _port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.path.dirname(HERE)
+    procs = [subprocess.Popen([sys.executable, "-c", ABSENT_PEER, str(r), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    try:
+        out = procs[0].communicate(timeout=60)[0]
+        procs[1].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    line = next((ln for ln in out.splitlines() if ln.startswith("ERROR")), out[-2000:])
+    assert "weight sync #0" in line and "'weight_sync_0_start'" in line and "within 2s" in line, line
