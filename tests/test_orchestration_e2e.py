@@ -42,8 +42,9 @@ def test_end_to_end_three_hosts(tmp_path):
                  "async.max_lag=1", "eval.every_n_steps=3", "checkpoint.every_n_steps=0", "checkpoint.resume=false",
                  "logging.rollouts_every_n_steps=1",
                  # Long random-init completions make decode the bottleneck, so rows are still being generated
-                 # when each sync lands (with 24 tokens they often finished first and no update was in flight).
-                 "inference.max_seq_len=96")
+                 # when syncs land. Once decode got faster (per-layer CPU decode), 96 tokens left whole runs of
+                 # this config with no update in flight (2 of 8); 160 had some in every run tried.
+                 "inference.max_seq_len=160")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     r = rows(run_dir)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
@@ -63,7 +64,15 @@ def test_end_to_end_three_hosts(tmp_path):
     assert len(drops) == sum(x["rollout/filtered_lag"] + x["rollout/filtered_zero_variance"] for x in r)
     assert all(d["dropped"] == "lag" and d["step"] - 1 - d["oldest_version"] > 1 for d in drops)
     assert sorted({g["step"] for g in logged}) == [1, 2, 3, 4, 5, 6]
-    assert len({g["worker"] for g in logged}) == 4, {g["worker"] for g in logged}
+    # Every replica served: trained, dropped (too stale) or eval groups. Which replica gets which prompts is timing:
+    # on 2 shared cores a host up a few seconds late may find the short run's train prompts taken, and take the
+    # next eval round's (served first) instead; all three logs name the replica.
+    with open(os.path.join(run_dir, "eval_samples.jsonl")) as f:
+        eval_groups = [json.loads(x) for x in f]
+    served = {}
+    for g in logged + drops + eval_groups:
+        served[g["worker"]] = served.get(g["worker"], 0) + 1
+    assert len(served) == 4, served
     # In-flight updates: a sync landed while rows were being generated, so some trained completions carry two
     # weight versions, the later one no newer than the trainer's, and generation went on past the boundary.
     updated = [(g, c) for g in logged for c in g["completions"] if len(c["versions"]) > 1]

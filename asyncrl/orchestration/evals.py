@@ -88,7 +88,7 @@ class Evals:
         with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
             for g in groups:
                 f.write(json.dumps({"round": round_, "version": g.oldest_version, "id": g.prompt.id,
-                                    "answer": g.prompt.sample.answer,
+                                    "answer": g.prompt.sample.answer, "worker": g.worker,
                                     "completions": [{"text": c.text, "reward": c.reward, "reason": c.reason}
                                                     for c in g.completions]}) + "\n")
         stats = summarize_rewards([list(g.rewards) for g in groups])

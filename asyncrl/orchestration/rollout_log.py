@@ -16,9 +16,9 @@ def rollouts_path(run_dir: str, rank: int) -> str:
 
 
 def drop_record(step: int, rollout: Rollout, reason: str) -> dict[str, Any]:
-    """One dropped group ("lag" or "zero_variance"), as logged."""
+    """One dropped group ("lag" or "zero_variance"), as logged, with the replica that generated it."""
     return {"step": step, "pid": os.getpid(), "dropped": reason, "position": rollout.prompt.position,
-            "id": rollout.prompt.id, "oldest_version": rollout.oldest_version}
+            "id": rollout.prompt.id, "oldest_version": rollout.oldest_version, "worker": rollout.worker}
 
 
 def log_rollouts(path: str, step: int, version: int, rollouts: Sequence[Rollout], drops: Sequence[dict]) -> None:
