@@ -645,3 +645,30 @@ def test_sync_gate_back_to_back_syncs_do_not_strand_a_parked_replica(monkeypatch
     assert not w.errors, w.errors
     assert ok and [e.version for e in engines] == [last, last]
     assert len(landed) == last
+
+
+def test_scorer_timeout_names_the_waiter_and_the_prompt():
+    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=5), eval=SimpleNamespace(num_prompts=4),
+                          task=SimpleNamespace(verifier=SimpleNamespace(timeout_s=2)))
+    w = InferenceWorker(cfg, 2, "/tmp", {"rollout": FakeQueue(4)})
+
+    class Stuck:  # a verifier future that never resolves within the scorer's wait
+        def result(self, timeout):
+            raise TimeoutError
+
+    rollout = SimpleNamespace(completions=[SimpleNamespace()], prompt=SimpleNamespace(position=7), is_eval=False)
+    w.lanes[False].put((rollout, [Stuck()]))
+    w._push(False)
+    assert "inference2 scorer waited 38s (4 x task.verifier.timeout_s + 30) for the verifier's score of a completion " \
+           "of the prompt at data position 7" in str(w.errors[0])
+
+
+def test_a_wedged_weight_sync_names_the_waiting_trainer():
+    from asyncrl.weightsync.transfer import PendingSync
+
+    release = threading.Event()
+    pending = PendingSync(lambda: (release.wait(5), {})[1], "weight-sync-3")
+    with pytest.raises(TimeoutError, match=r"trainer0 waited 0.1s for its weight sync \(weight-sync-3, the hop chain"):
+        pending.wait(0.1, "trainer0")
+    release.set()
+    assert pending.wait(5) == {}

@@ -1,9 +1,9 @@
 """The inference role (the blog's AsyncInferenceWorker): replicas decoding continuously, a monitor thread for
 weight sync, and a pusher thread that scores finished groups off the decode path and ships them.
 
-Weight sync, as in the blog: the monitor takes the trainer's signal, sets an event and waits (on a condition)
-until every replica has parked between two decode loops; it frees the old weights, receives the new ones through
-the hop chain, bumps the version and clears the event. Each replica then takes a zero-copy reference to its own
+Weight sync, as in the blog: the monitor takes the trainer's signal, opens the gate (`SyncGate`) and waits until
+every replica has parked between two decode chunks; it frees the old weights, receives the new ones through the
+hop chain, bumps the version and releases the gate. Each replica then takes a zero-copy reference to its own
 shards and carries on with its in-flight rows under the new weights (their per-token versions record where).
 """
 
@@ -137,8 +137,15 @@ class InferenceWorker:
                     rollout, futures = lane.get(timeout=0.2)
                 except queue.Empty:
                     continue
+                wait_s = self.cfg.task.verifier.timeout_s * 4 + 30
                 for c, f in zip(rollout.completions, futures):
-                    s = f.result(timeout=self.cfg.task.verifier.timeout_s * 4 + 30)
+                    try:
+                        s = f.result(timeout=wait_s)
+                    except TimeoutError:
+                        raise TimeoutError(
+                            f"inference{self.rank} scorer waited {wait_s:g}s (4 x task.verifier.timeout_s + 30) for "
+                            f"the verifier's score of a completion of the prompt at data position "
+                            f"{rollout.prompt.position}; the verifier pool is stalled") from None
                     c.reward, c.reason = float(s.reward), s.reason
                 target = "eval_rollout" if rollout.is_eval else "rollout"
                 deadline = time.monotonic() + self.timeout_s

@@ -93,7 +93,7 @@ class TrainerWorker:
             return 0.0
         t0 = time.perf_counter()
         ws = self.cfg.weightsync
-        self._sync_m = self._sync.wait(2 * ws.timeout_s + 60)  # its barriers and hops time out first
+        self._sync_m = self._sync.wait(2 * ws.timeout_s + 60, f"trainer{self.rank}")  # barriers and hops time out first
         self._sync = None
         return time.perf_counter() - t0
 

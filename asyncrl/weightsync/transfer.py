@@ -175,10 +175,11 @@ class PendingSync:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self, timeout_s: float | None = None) -> dict[str, float]:
+    def wait(self, timeout_s: float | None = None, who: str = "the trainer") -> dict[str, float]:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            raise TimeoutError(f"{self._thread.name} still running after {timeout_s:g}s")
+            raise TimeoutError(f"{who} waited {timeout_s:g}s for its weight sync ({self._thread.name}, the hop chain "
+                               "to every inference host) to finish; a receiving host is wedged")
         if self._error is not None:
             raise self._error
         assert self._result is not None
