@@ -86,3 +86,25 @@ def test_console_of_real_runs(tmp_path):
     synced = set(map(int, re.findall(r"weights v(\d+) received", text)))
     assert synced == set(range(STEPS + 1)), synced  # the initial weights and one sync per step
     assert len(text.splitlines()) > info_lines + STEPS
+
+
+@pytest.mark.parametrize("level", ["INFO", "WARNING", "DEBUG"])
+def test_warnings_and_errors_print_at_every_level_and_debug_brings_everything_back(level):
+    import logging
+
+    from asyncrl.orchestration import logs
+
+    root = logging.getLogger()
+    saved = root.level, {n: logging.getLogger(n).level for n in logs.CHATTY}
+    try:
+        logs.configure(level, "%(message)s")
+        ours, chatty = logging.getLogger("asyncrl.orchestration.inference_worker"), logging.getLogger("orbax")
+        for lg in (ours, chatty):
+            assert lg.isEnabledFor(logging.WARNING) and lg.isEnabledFor(logging.ERROR)
+        assert ours.isEnabledFor(logging.DEBUG) == (level == "DEBUG")  # per-sync lines
+        assert ours.isEnabledFor(logging.INFO) == (level in ("INFO", "DEBUG"))
+        assert chatty.isEnabledFor(logging.INFO) == (level == "DEBUG")  # chatter only when asked for everything
+    finally:
+        root.setLevel(saved[0])
+        for n, lv in saved[1].items():
+            logging.getLogger(n).setLevel(lv)

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from asyncrl.config.loader import to_yaml
+from asyncrl.orchestration import logs
 from asyncrl.orchestration.host import HostActor, HostResult, role_of
 from asyncrl.orchestration.metrics import MetricsSink
 from asyncrl.orchestration.progress import Progress
@@ -254,9 +255,7 @@ def _dump_stacks(actors: list[Any], info: list[dict[str, Any]], run_dir: str) ->
 
 
 def run(cfg: Any) -> int:
-    logging.basicConfig(level=getattr(logging, cfg.logging.level), format="%(asctime)s [driver] %(message)s")
-    for noisy in ("matplotlib", "PIL"):  # font and image-plugin chatter at DEBUG, not the run's
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logs.configure(cfg.logging.level, "%(asctime)s [driver] %(message)s")
     run_dir = run_dir_of(cfg)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:

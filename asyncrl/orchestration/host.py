@@ -16,6 +16,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.orchestration import logs
+
 log = logging.getLogger(__name__)
 
 
@@ -43,9 +45,7 @@ class HostActor:
         self.ip = bind_ip or _node_ip()
         self.loopback = bind_ip is not None
         self.role = role_of(rank, cfg.async_.train_workers)
-        logging.basicConfig(level=getattr(logging, cfg.logging.level), format=f"%(asctime)s [{self.role}{rank}] %(name)s: %(message)s")
-        for noisy in ("absl", "jax._src.distributed", "orbax"):  # per-call chatter drowns the run's own log
-            logging.getLogger(noisy).setLevel(logging.WARNING)
+        logs.configure(cfg.logging.level, f"%(asctime)s [{self.role}{rank}] %(name)s: %(message)s")
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "role": self.role, "pid": os.getpid(), "host": socket.gethostname(),
