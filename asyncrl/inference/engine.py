@@ -66,6 +66,15 @@ class EngineStats:
     extra: dict = field(default_factory=dict)
 
 
+@jax.jit
+def _cpu_decode_layout(params: Any) -> Any:
+    """Half-precision leaves as f32, the stacked layers split per layer (`Engine._prepare`). One jitted function
+    at module level, so each weight sync reuses its compiled program (a fresh jit per call would recompile on
+    every sync: a compile per step on every replica)."""
+    return params_lib.unstack_layers(jax.tree.map(
+        lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, params))
+
+
 class Engine(DecodePrograms):
     """A replica over `mesh` (None = default device): the host side of continuous batching over the compiled
     programs of `DecodePrograms`. Thread-safe for `set_params` vs. the decode thread."""
@@ -117,12 +126,10 @@ class Engine(DecodePrograms):
         Other backends decode with the trainer's tree as it is (TPU fuses the slice into the matmul)."""
         if params is None or not self.cpu or isinstance(params.layers, tuple):
             return params
-        cast = jax.jit(lambda p: params_lib.unstack_layers(jax.tree.map(
-            lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, p)))
         if self.mesh is None:
-            return cast(params)
+            return _cpu_decode_layout(params)
         with jax.set_mesh(self.mesh):
-            return cast(params)
+            return _cpu_decode_layout(params)
 
     # ---- host loop ------------------------------------------------------------------------------------------
 
