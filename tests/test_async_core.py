@@ -353,12 +353,12 @@ def test_eval_pending_at_the_final_step_is_kept(tmp_path):
         def __init__(self):
             self.pending_when_done = "never waited"
 
-        def wait(self, timeout_s):
+        def wait(self, timeout_s, who):
             self.pending_when_done = ev.pending  # the eval round out when the sync landed
             return {"weight_sync_s": 0.5}
 
     tw = TrainerWorker.__new__(TrainerWorker)  # the trainer's hook that holds a launch until the sync landed
-    tw._sync, tw._sync_m, tw._eval_blocked_s = None, {}, 0.0
+    tw._sync, tw._sync_m, tw._eval_blocked_s, tw.rank = None, {}, 0.0, 0
     tw.cfg = SimpleNamespace(weightsync=WeightSyncConfig())
     ev.launch(0, 0)
     t = threading.Thread(target=serve, daemon=True)
