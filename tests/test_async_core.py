@@ -408,28 +408,38 @@ class FakeEngine:
         self.params, self.version = params, version
 
 
-def test_sync_gate_parks_every_replica_within_one_chunk(monkeypatch):
+def _gate_worker(monkeypatch, engines, park_timeout_s, on_transfer=lambda: None):
+    """An InferenceWorker over fake replicas, its monitor fed by an in-process queue; each sync's transfer calls
+    `on_transfer` and lands a fresh Leaf (`landed` counts them)."""
     import asyncrl.orchestration.inference_worker as iw
 
     monkeypatch.setattr(iw, "place_params", lambda p, sh: p)
-    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=5),
+    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=park_timeout_s),
                           eval=SimpleNamespace(num_prompts=4))
-    qs = {"weight_sync": FakeQueue(2)}
-    w = InferenceWorker(cfg, 1, "/tmp", qs)
-    engines = [FakeEngine("r0", 0.02), FakeEngine("r1", 0.05)]
+    signals = FakeQueue(0)
+    w = InferenceWorker(cfg, 1, "/tmp", {"weight_sync": signals})
     w.replicas = SimpleNamespace(engines=engines)
-    transfers = []
+    landed = []
 
     class Transfer:
         def transfer(self, params, shapes):
-            transfers.append(time.perf_counter())
-            # while the new weights land, no replica may be decoding
-            assert all(e.busy is False for e in engines)
-            return {"w": Leaf(len(transfers))}, {}
+            on_transfer()
+            landed.append(time.perf_counter())
+            return {"w": Leaf(len(landed))}, {}
 
     w.transfer, w.shapes = Transfer(), None
-    first = {"w": Leaf(0)}
-    w.gate.params, w.gate.version = first, 0
+    w.gate.params, w.gate.version = {"w": Leaf(0)}, 0
+    return w, signals, landed
+
+
+def test_sync_gate_parks_every_replica_within_one_chunk(monkeypatch):
+    engines = [FakeEngine("r0", 0.02), FakeEngine("r1", 0.05)]
+
+    def no_replica_decoding():  # while the new weights land, no replica may be decoding
+        assert all(e.busy is False for e in engines)
+
+    w, signals, _ = _gate_worker(monkeypatch, engines, 5, no_replica_decoding)
+    first = w.gate.params
 
     def replica(e):
         while not w.stop.is_set():
@@ -446,7 +456,7 @@ def test_sync_gate_parks_every_replica_within_one_chunk(monkeypatch):
     for t in threads:
         t.start()
     for v in (1, 2, 3):
-        qs["weight_sync"].put({"version": v})
+        signals.put({"version": v})
         assert wait_until(lambda v=v: all(e.version == v for e in engines)), [e.version for e in engines]
     w.stop.set()
     assert not w.errors, w.errors
@@ -609,24 +619,8 @@ def test_sync_gate_back_to_back_syncs_do_not_strand_a_parked_replica(monkeypatch
     monitor re-parks for the second right after releasing the first. A replica still in its park loop from the
     first must count for the second, not wait forever on a gate that is closed again (the CI chaos run that
     stalled 90 s at version 52 with every replica parked)."""
-    import asyncrl.orchestration.inference_worker as iw
-
-    monkeypatch.setattr(iw, "place_params", lambda p, sh: p)
-    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=3),
-                          eval=SimpleNamespace(num_prompts=4))
-    qs = {"weight_sync": FakeQueue(0)}
-    w = InferenceWorker(cfg, 1, "/tmp", qs)
     engines = [FakeEngine("r0", 0.0), FakeEngine("r1", 0.0)]
-    w.replicas = SimpleNamespace(engines=engines)
-    landed = []
-
-    class Transfer:
-        def transfer(self, params, shapes):
-            landed.append(1)
-            return {"w": Leaf(len(landed))}, {}
-
-    w.transfer, w.shapes = Transfer(), None
-    w.gate.params, w.gate.version = {"w": Leaf(0)}, 0
+    w, signals, landed = _gate_worker(monkeypatch, engines, 3)
 
     def replica(e):
         while not w.stop.is_set():
@@ -639,7 +633,7 @@ def test_sync_gate_back_to_back_syncs_do_not_strand_a_parked_replica(monkeypatch
         t.start()
     last = 40
     for v in range(1, last + 1):  # every sync's signal already queued: the monitor re-parks at once
-        qs["weight_sync"].put({"version": v})
+        signals.put({"version": v})
     ok = wait_until(lambda: all(e.version == last for e in engines) or w.errors, timeout=20)
     w.stop.set()
     assert not w.errors, w.errors
