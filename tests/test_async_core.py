@@ -666,3 +666,21 @@ def test_a_wedged_weight_sync_names_the_waiting_trainer():
         pending.wait(0.1, "trainer0")
     release.set()
     assert pending.wait(5) == {}
+
+
+def test_drop_warnings_are_rate_limited(monkeypatch, caplog):
+    import logging
+
+    import asyncrl.train.collect as collect_mod
+
+    monkeypatch.setattr(collect_mod, "_last_drop_warning", [float("-inf")])
+    with caplog.at_level(logging.WARNING, logger="asyncrl.train.collect"):
+        for step in range(3):  # three steps, each dropping 15 too-stale groups before taking 1 fresh one
+            q = FakeQueue()
+            for p in range(15):
+                q.put(group(100 * step + p, 0, [0.0, 1.0]))
+            q.put(group(100 * step + 99, 5, [0.0, 1.0]))
+            got, m = collect_rollouts(q.poll, 1, 5, 1, timeout_s=5, poll_s=0.01)
+            assert m["rollout/filtered_lag"] == 15 and len(got) == 1
+    said = [r.getMessage() for r in caplog.records if "groups so far" in r.getMessage()]
+    assert len(said) == 1 and "dropped 10 groups so far for version 5" in said[0], said
