@@ -19,8 +19,7 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.forcing import force_end_of_think, force_eos
 from asyncrl.inference.sampling import sample
 from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row
-from asyncrl.models import params as params_lib
-from asyncrl.models.kvcache import KVCache
+from asyncrl.models import kvcache, params as params_lib
 from asyncrl.models.tokenizer import Tokenizer, bucket_length
 from asyncrl.models.transformer import Model
 
@@ -98,17 +97,9 @@ class DecodePrograms:
     # ---- compiled functions ---------------------------------------------------------------------------------
 
     def _empty(self, rows: int, key: jax.Array, split_rows: bool = True) -> DecodeState:
-        c = self.model.cfg
-        if self.cpu:
-            zeros = lambda: tuple(jnp.zeros((1, rows, c.num_kv_heads, self.S, c.head_dim), self.kv_dtype)  # noqa: E731
-                                  for _ in range(c.num_layers))
-            kv = KVCache(k=zeros(), v=zeros(), length=jnp.zeros((rows,), jnp.int32))
-        else:
-            z = jnp.zeros((c.num_layers, rows, c.num_kv_heads, self.S, c.head_dim), self.kv_dtype)
-            kv = KVCache(k=z, v=z, length=jnp.zeros((rows,), jnp.int32))
         state = DecodeState(
             next_token=jnp.zeros((rows,), jnp.int32),
-            kv=kv,
+            kv=kvcache.zeros(self.model.cfg, rows, self.S, self.kv_dtype, per_layer=self.cpu),
             key=key,
             row_key=jnp.zeros((rows, 2), jnp.uint32),
             tokens=jnp.full((rows, self.S), self.pad_id, jnp.int32),
