@@ -26,10 +26,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.config import InferenceConfig
-from asyncrl.inference.programs import DecodePrograms
+from asyncrl.inference.programs import DecodePrograms, cpu_decode_layout
 from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.inference.state import DecodeState, FinishedRow
-from asyncrl.models import params as params_lib
+from asyncrl.models import dense, params as params_lib
 from asyncrl.models.tokenizer import Tokenizer, bucket_length
 from asyncrl.models.transformer import Model
 
@@ -64,15 +64,6 @@ class EngineStats:
     decode_time: float = 0.0  # seconds of decode loops, dispatch to device completion
     prefill_time: float = 0.0  # seconds of prefills, dispatch to device completion
     extra: dict = field(default_factory=dict)
-
-
-@jax.jit
-def _cpu_decode_layout(params: Any) -> Any:
-    """Half-precision leaves as f32, the stacked layers split per layer (`Engine._prepare`). One jitted function
-    at module level, so each weight sync reuses its compiled program (a fresh jit per call would recompile on
-    every sync: a compile per step on every replica)."""
-    return params_lib.unstack_layers(jax.tree.map(
-        lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, params))
 
 
 class Engine(DecodePrograms):
@@ -122,14 +113,16 @@ class Engine(DecodePrograms):
         - bf16/f16 leaves become f32: XLA:CPU has no fast half-precision matmul and would otherwise convert every
           layer's weights on every step;
         - the stacked layers are split into per-layer arrays (`params.unstack_layers`): a scan over stacked
-          weights copies each layer's slice before its matmuls on every step, a second pass over all weights.
+          weights copies each layer's slice before its matmuls on every step, a second pass over all weights;
+        - each matrix is stored transposed, output dims first (`models/dense.py`): XLA:CPU's small-batch
+          matmul is faster that way round.
         Other backends decode with the trainer's tree as it is (TPU fuses the slice into the matmul)."""
-        if params is None or not self.cpu or isinstance(params.layers, tuple):
+        if params is None or not self.cpu or dense.is_output_major(params):
             return params
         if self.mesh is None:
-            return _cpu_decode_layout(params)
+            return cpu_decode_layout(params)
         with jax.set_mesh(self.mesh):
-            return _cpu_decode_layout(params)
+            return cpu_decode_layout(params)
 
     # ---- host loop ------------------------------------------------------------------------------------------
 

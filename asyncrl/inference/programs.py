@@ -19,9 +19,18 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.forcing import force_end_of_think, force_eos
 from asyncrl.inference.sampling import sample
 from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row
-from asyncrl.models import kvcache, params as params_lib
+from asyncrl.models import dense, kvcache, params as params_lib
 from asyncrl.models.tokenizer import Tokenizer, bucket_length
 from asyncrl.models.transformer import Model
+
+
+@jax.jit
+def cpu_decode_layout(params: Any) -> Any:
+    """Half-precision leaves as f32, the stacked layers split per layer, the matrices output-major
+    (`Engine._prepare`, `abstract_params`). One jitted function at module level, so each weight sync reuses its compiled program (a
+    fresh jit per call would recompile on every sync: a compile per step on every replica)."""
+    return dense.cpu_decode_layout(jax.tree.map(
+        lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, params))
 
 
 class DecodePrograms:
@@ -259,13 +268,16 @@ class DecodePrograms:
         """ShapeDtypeStructs of the weights this replica decodes with (`inference.params_dtype`, its layout; on
         the CPU what `Engine.set_params` makes of them: per-layer, half precision as float32)."""
         dtype = jnp.dtype(self.cfg.params_dtype)
-        if self.cpu and dtype in (jnp.bfloat16, jnp.float16):
-            dtype = jnp.dtype(jnp.float32)
         shapes = params_lib.shapes(self.model.cfg, dtype)
         if self.mesh is not None:
             shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
                                   self.model.param_shardings(self.mesh, dtype))
-        return params_lib.unstack_layers(shapes) if self.cpu else shapes
+        if not self.cpu:
+            return shapes
+        if self.mesh is None:
+            return jax.eval_shape(cpu_decode_layout, shapes)
+        with jax.set_mesh(self.mesh):
+            return jax.eval_shape(cpu_decode_layout, shapes)
 
     def abstract_state(self, rows: int | None = None, split_rows: bool = True) -> DecodeState:
         """ShapeDtypeStructs of a decode state (`rows` = max_decode_batch_size) or, with split_rows=False, of a

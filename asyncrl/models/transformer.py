@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from asyncrl.models import kvcache, params as params_lib, ulysses
+from asyncrl.models import dense as dense_lib, embedding, kvcache, params as params_lib, ulysses
 from asyncrl.models.config import ModelConfig
 from asyncrl.models.flash import block_size, flash_attention_train
 from asyncrl.models.attention import attention, cached_attention
@@ -113,20 +113,32 @@ class Model:
         is a split over both, in that order, so flattening moves no data."""
         return P(spec_entry(self._batch_axes(mesh) + self.seq_axes(mesh)), *([None] * (ndim - 1)))
 
-    def _use(self, w: jax.Array) -> jax.Array:
-        """Compute view of a stored weight: FSDP shards gathered, tensor-parallel shards kept."""
+    def _use(self, w: jax.Array, summed: tuple[str, ...] = ()) -> jax.Array:
+        """Compute view of a stored weight: FSDP shards gathered, tensor-parallel shards kept.
+
+        `summed`: the axes its use contracts over (a layer's batch and sequence axes). The gathered copy typed
+        `reduced` over them gets an unreduced gradient, and the gather's transpose is then a reduce-scatter over
+        fsdp (plus a dp all-reduce of the shard), not a whole all-reduce and a slice. The retyping first reshard
+        is what splits those two steps (tests/test_aot.py::test_fsdp_layer_gradients_are_reduce_scattered_on_v5p)."""
         mesh = _explicit_mesh()
         if mesh is None or w is None:
             return w
         spec = jax.typeof(w).sharding.spec
-        drop = self._data_axes(mesh)
-        new = P(*[drop_axes(e, drop) for e in spec])
-        return w if tuple(new) == tuple(spec) else jax.sharding.reshard(w, new)
+        new = P(*[drop_axes(e, self._data_axes(mesh)) for e in spec])
+        if tuple(new) == tuple(spec):
+            return w
+        if summed:
+            held = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+            w = jax.sharding.reshard(w, P(*spec, reduced=set(summed) - held))
+            new = P(*new, reduced=set(summed))
+        return jax.sharding.reshard(w, new)
 
     def _project_heads(self, a: jax.Array, w: jax.Array) -> jax.Array:
         """[B, T, D] x [D, N, Dh] -> [B, T, N, Dh] as one [D, N*Dh] matmul. Given the 4-D einsum, TPU relayouts
         the whole stacked [L, D, N, Dh] weight to head-major on every decode call (3 GB per call for an 8B
         model); the merged 2-D weight is already in the layout its matmul reads."""
+        if isinstance(w, dense_lib.OutputMajor):  # the engine's CPU layout
+            return dense_lib.dense(a, w)
         B, T, _ = a.shape
         D, N, Dh = w.shape
         mesh = _explicit_mesh()
@@ -138,6 +150,8 @@ class Model:
         return y.reshape(B, T, N, Dh, out_sharding=P(a_spec[0], a_spec[1], w_spec[1], None))
 
     def _contract(self, eq: str, x: jax.Array, w: jax.Array, seq: tuple[str, ...] = (), **kw: Any) -> jax.Array:
+        if isinstance(w, dense_lib.OutputMajor):
+            return dense_lib.dense(x, w, **kw)
         mesh = _explicit_mesh()
         if mesh is None:
             return jnp.einsum(eq, x, w, **kw)
@@ -169,25 +183,7 @@ class Model:
         """[B, T] ids -> [B, T, D] rows of the table, in the activation layout."""
         if mesh is None:
             return jnp.take(embed, x, axis=0)
-        x = jax.sharding.reshard(x, self._act_spec(mesh, 2, seq))
-        embed = self._use(embed)
-        vocab, width = jax.typeof(embed).sharding.spec
-        if vocab is None or width is not None:  # the lookup wants the whole table
-            embed = jax.sharding.reshard(embed, P())
-            return embed.at[x].get(out_sharding=self._act_spec(mesh, 3, seq))
-        # Vocab split over model axes (tp): each device looks up the ids it holds and a psum of the [B, T, D]
-        # rows (one nonzero term each, so exact) replaces an all-gather of the whole table on every call.
-        axes = (vocab,) if isinstance(vocab, str) else tuple(vocab)
-
-        def local(table: jax.Array, ids: jax.Array) -> jax.Array:
-            n = table.shape[0]
-            rel = ids - jax.lax.axis_index(axes) * n
-            mine = (rel >= 0) & (rel < n)
-            rows = jnp.take(table, jnp.clip(rel, 0, n - 1), axis=0)
-            return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype)), axes)
-
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(vocab, None), self._act_spec(mesh, 2, seq)),
-                             out_specs=self._act_spec(mesh, 3, seq))(embed, x)
+        return embedding.lookup(self._use(embed), x, mesh, self._act_spec(mesh, 2, seq), self._act_spec(mesh, 3, seq))
 
     def _forward(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None,
                  apply_lm_head: bool, attend_cache: bool) -> tuple[jax.Array, KVCache | None]:
@@ -211,18 +207,19 @@ class Model:
         def mlp(h: jax.Array, layer: LayerParams) -> jax.Array:
             with jax.named_scope("mlp"):
                 m = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
-                gate = jnp.einsum("btd,df->btf", m, layer.w_gate)
-                up = jnp.einsum("btd,df->btf", m, layer.w_up)
+                gate = dense_lib.einsum("btd,df->btf", m, layer.w_gate)
+                up = dense_lib.einsum("btd,df->btf", m, layer.w_up)
                 return h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down, seq)
 
         def block(h: jax.Array, layer: LayerParams, index: jax.Array | int | None):
-            layer = jax.tree.map(self._use, layer)
+            summed = (*self._batch_axes(mesh), *seq) if mesh is not None and kv_cache is None else ()
+            layer = jax.tree.map(lambda w: self._use(w, summed), layer)
             with jax.named_scope("attn"):
                 a = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
                 if kv_cache is None:
-                    q = jnp.einsum("btd,dhk->bthk", a, layer.wq)
-                    k = jnp.einsum("btd,dhk->bthk", a, layer.wk)
-                    v = jnp.einsum("btd,dhk->bthk", a, layer.wv)
+                    q = dense_lib.einsum("btd,dhk->bthk", a, layer.wq)
+                    k = dense_lib.einsum("btd,dhk->bthk", a, layer.wk)
+                    v = dense_lib.einsum("btd,dhk->bthk", a, layer.wv)
                 else:
                     q, k, v = (self._project_heads(a, w) for w in (layer.wq, layer.wk, layer.wv))
                 if c.qk_norm:
@@ -321,6 +318,9 @@ class Model:
 
     def lm_head(self, params: Params, h: jax.Array) -> jax.Array:
         """[..., D] -> fp32 logits [..., V]."""
+        if dense_lib.is_output_major(params):  # the engine's CPU layout; a tied [V, D] table is output-major
+            w = params.lm_head if params.lm_head is not None else dense_lib.OutputMajor(self._use(params.embed), 1)
+            return dense_lib.dense(h, w, preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", h, self.lm_head_weight(params), preferred_element_type=jnp.float32)
 
     def flatten_positions(self, x: jax.Array) -> jax.Array:

@@ -1,0 +1,90 @@
+"""Output-major weights: how the inference engine on the CPU stores a matmul weight, and the matmul that reads it.
+
+A decode step multiplies a few rows (B of them, 1 to 64) by every weight. XLA:CPU's kernels are markedly faster
+for that product in the form [N, K] x [K, B] -> [N, B] than in the form [B, K] x [K, N] -> [B, N]. Measured on
+the 2-core benchmark machine, fp32, B=16 (`benchmarks/README.md`, "decode"): SmolLM2-135M's 30 layers of
+projections took 30-31 ms against 37-40 ms, and its [576 -> 49152] LM head 7.0 ms against 10.4 ms.
+
+So the engine on the CPU transposes each weight once per weight sync (`cpu_decode_layer`, from
+`Engine._prepare`) into an `OutputMajor` leaf: the output dims first, the contracted dims last. `dense` computes
+W^T x^T and transposes the small [N, B] result back to [B, N]. XLA's simplifier would otherwise fold that
+transpose into the dot and pick the slow kernel again; an optimization barrier between them keeps the fast one.
+
+Training and the TPU programs never see an `OutputMajor`: their compiler picks layouts itself, and the barrier
+would only cost them fusions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from asyncrl.models.params import unstack_layers
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class OutputMajor:
+    """A weight stored [*out, *in]; `x [..., *in] -> [..., *out]` contracts its last `n_in` dims."""
+
+    t: Any
+    n_in: int = field(metadata=dict(static=True))
+
+    @property
+    def dtype(self) -> Any:
+        return self.t.dtype
+
+
+def output_major(w: jax.Array, n_in: int) -> OutputMajor:
+    """`w` in the usual [*in, *out] layout (the model's einsums) -> an OutputMajor leaf (a transposed copy)."""
+    return OutputMajor(jnp.transpose(w, (*range(n_in, w.ndim), *range(n_in))), n_in)
+
+
+def dense(x: jax.Array, w: OutputMajor, **kw: Any) -> jax.Array:
+    """[..., *in] x OutputMajor -> [..., *out], computed as [*out, *in] x [..., *in]^T -> [*out, ...]."""
+    n_out, n_lead = w.t.ndim - w.n_in, x.ndim - w.n_in
+    o, i, b = _LETTERS[:n_out], _LETTERS[n_out:n_out + w.n_in], _LETTERS[n_out + w.n_in:n_out + w.n_in + n_lead]
+    eq = f"{o}{i},{b}{i}->{o}{b}"
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.explicit_axes:
+        # The output keeps the weight's split of its out dims and the input's split of its rows; a split
+        # contracted dim (a tensor-parallel wo / w_down) is summed over, as the model's own einsums do.
+        t_spec, x_spec = jax.typeof(w.t).sharding.spec, jax.typeof(x).sharding.spec
+        kw["out_sharding"] = P(*t_spec[:n_out], *x_spec[:n_lead])
+    y = jax.lax.optimization_barrier(jnp.einsum(eq, w.t, x, **kw))
+    return jnp.transpose(y, (*range(n_out, n_out + n_lead), *range(n_out)))
+
+
+def einsum(eq: str, x: jax.Array, w: Any, **kw: Any) -> jax.Array:
+    """`jnp.einsum(eq, x, w)` for a weight in either layout (`eq` names the usual [*in, *out] one)."""
+    return dense(x, w, **kw) if isinstance(w, OutputMajor) else jnp.einsum(eq, x, w, **kw)
+
+
+# Contracted dims of each LayerParams matrix: wo [H, Dh, D] contracts (H, Dh); the others contract their first.
+_N_IN = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+
+
+def cpu_decode_layer(layer: Any) -> Any:
+    """A per-layer LayerParams with every matrix output-major (norm scales unchanged)."""
+    return type(layer)(**{f: output_major(getattr(layer, f), _N_IN[f]) if f in _N_IN else getattr(layer, f)
+                          for f in layer.__dataclass_fields__})
+
+
+def cpu_decode_layout(params: Any) -> Any:
+    """Params -> per-layer (`params.unstack_layers`) with output-major matrices and LM head; the embedding
+    table stays [V, D]: it is already output-major for a tied head."""
+    params = unstack_layers(params)
+    return type(params)(embed=params.embed, layers=tuple(cpu_decode_layer(l) for l in params.layers),
+                        final_norm=params.final_norm,
+                        lm_head=None if params.lm_head is None else output_major(params.lm_head, 1))
+
+
+def is_output_major(params: Any) -> bool:
+    """Whether `params` is the engine's CPU decode layout (per-layer, output-major matrices)."""
+    return isinstance(params.layers, tuple) and isinstance(params.layers[0].wq, OutputMajor)
