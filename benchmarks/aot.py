@@ -41,6 +41,10 @@ CASES = {
     # ... and without grad accumulation too, 4 sequences of 4096 at once: does not fit (exit 1), the case of the
     # out-of-memory report (program, shortfall, largest buffers) that README.md shows.
     "qwen3-8b-no-remat-ga1": ("v5p64_qwen3_8b", ["train.remat=false", "train.grad_accum_steps=1"], "train_step"),
+    # FSDP over 8 chips x dp=2 instead of over all 16: the layer gradients are reduce-scattered in groups of 8 (a
+    # 16-chip group on this slice is lowered by the TPU compiler as an all-reduce and a slice, even from an explicit
+    # psum_scatter).
+    "qwen3-8b-dp2-fsdp8": ("v5p64_qwen3_8b", ["sharding.mesh.dp=2", "sharding.mesh.fsdp=8"], "train_step"),
     # What Ulysses context parallelism buys at long context: Qwen3-8B at 16k tokens, 16 trainer chips.
     "qwen3-8b-16k-cp1": ("v5p64_qwen3_8b", ["inference.max_seq_len=16384", "train.train_batch_size=32",
                                             "train.grad_accum_steps=2", "sharding.mesh.cp_ulysses=1"], "train_step"),
