@@ -29,7 +29,7 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.programs import DecodePrograms, cpu_decode_layout
 from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.inference.state import DecodeState, FinishedRow
-from asyncrl.models import dense, params as params_lib
+from asyncrl.models import dense
 from asyncrl.models.tokenizer import Tokenizer, bucket_length
 from asyncrl.models.transformer import Model
 

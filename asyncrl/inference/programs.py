@@ -27,8 +27,8 @@ from asyncrl.models.transformer import Model
 @jax.jit
 def cpu_decode_layout(params: Any) -> Any:
     """Half-precision leaves as f32, the stacked layers split per layer, the matrices output-major
-    (`Engine._prepare`, `abstract_params`). One jitted function at module level, so each weight sync reuses its compiled program (a
-    fresh jit per call would recompile on every sync: a compile per step on every replica)."""
+    (`Engine._prepare`, `abstract_params`). One jitted function at module level, so each weight sync reuses its
+    compiled program (a fresh jit per call would recompile on every sync: a compile per step on every replica)."""
     return dense.cpu_decode_layout(jax.tree.map(
         lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, params))
 
@@ -266,7 +266,7 @@ class DecodePrograms:
 
     def abstract_params(self) -> Any:
         """ShapeDtypeStructs of the weights this replica decodes with (`inference.params_dtype`, its layout; on
-        the CPU what `Engine.set_params` makes of them: per-layer, half precision as float32)."""
+        the CPU what `Engine.set_params` makes of them: per-layer, half precision as float32, matrices output-major)."""
         dtype = jnp.dtype(self.cfg.params_dtype)
         shapes = params_lib.shapes(self.model.cfg, dtype)
         if self.mesh is not None:
