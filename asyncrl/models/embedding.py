@@ -13,9 +13,11 @@ def lookup(embed: jax.Array, x: jax.Array, mesh: Any, ids_spec: P, rows_spec: P)
     """[B, T] ids (laid out as `ids_spec`) -> [B, T, D] rows of the table (`rows_spec`). `embed` is the compute
     view of the table: FSDP shards already gathered, a tensor-parallel vocab split kept."""
     x = jax.sharding.reshard(x, ids_spec)
-    vocab, width = jax.typeof(embed).sharding.spec
+    spec = jax.typeof(embed).sharding.spec
+    vocab, width = spec.partitions[0], spec.partitions[1]
     if vocab is None or width is not None:  # the lookup wants the whole table
-        embed = jax.sharding.reshard(embed, P())
+        if vocab is not None or width is not None:
+            embed = jax.sharding.reshard(embed, P())
         return embed.at[x].get(out_sharding=rows_spec)
     # Vocab split over model axes (tp): each device looks up the ids it holds and a psum of the [B, T, D]
     # rows (one nonzero term each, so exact) replaces an all-gather of the whole table on every call.

@@ -32,6 +32,7 @@ from asyncrl.models.attention import attention, cached_attention
 from asyncrl.models.kvcache import KVCache, write_new, write_prefix
 from asyncrl.models.params import LayerParams, Params
 from asyncrl.models.rope import apply_rope, rope_tables
+from asyncrl.sharding.axes import TOKEN_AXES
 from asyncrl.sharding.rules import ShardingRules, drop_axes, spec_entry
 from asyncrl.ops.logprobs import fused_linear_selection
 
@@ -183,7 +184,8 @@ class Model:
         """[B, T] ids -> [B, T, D] rows of the table, in the activation layout."""
         if mesh is None:
             return jnp.take(embed, x, axis=0)
-        return embedding.lookup(self._use(embed), x, mesh, self._act_spec(mesh, 2, seq), self._act_spec(mesh, 3, seq))
+        return embedding.lookup(self._use(embed, (*self._batch_axes(mesh), *seq)), x, mesh, self._act_spec(mesh, 2, seq),
+                                self._act_spec(mesh, 3, seq))
 
     def _forward(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None,
                  apply_lm_head: bool, attend_cache: bool) -> tuple[jax.Array, KVCache | None]:
@@ -313,8 +315,11 @@ class Model:
         return KVCache(k=k, v=v, length=kv_len)
 
     def lm_head_weight(self, params: Params) -> jax.Array:
-        """[D, V] LM head (the transposed embedding when tied)."""
-        return self._use(params.embed).T if params.lm_head is None else self._use(params.lm_head)
+        """[D, V] LM head (the transposed embedding when tied), gathered `reduced` over the token axes its fused
+        logprob kernel sums its gradient over (`ops/logprobs.py`), so that gradient is reduce-scattered."""
+        mesh = _explicit_mesh()
+        summed = () if mesh is None else tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+        return self._use(params.embed, summed).T if params.lm_head is None else self._use(params.lm_head, summed)
 
     def lm_head(self, params: Params, h: jax.Array) -> jax.Array:
         """[..., D] -> fp32 logits [..., V]."""

@@ -93,7 +93,14 @@ class _DataLayout:
         """Give a cotangent the sharding of its primal (explicit mode checks it; auto mode leaves it to XLA)."""
         if not (self.axes and self.explicit):
             return x
-        return jax.sharding.reshard(x, jax.typeof(like).sharding)
+        return jax.sharding.reshard(x, _cotangent_spec(like))
+
+
+def _cotangent_spec(like: jax.Array) -> P:
+    """The layout of `like`'s cotangent: its own, except that a primal `reduced` over some axes (an FSDP weight
+    gathered by `Model._use`) takes a cotangent `unreduced` over them, summed by the caller's reduce-scatter."""
+    spec = jax.typeof(like).sharding.spec
+    return P(*spec.partitions, unreduced=spec.reduced) if spec.reduced else spec
 
 
 def _current_layout() -> _DataLayout:
@@ -207,7 +214,7 @@ def _sum_onto(x: jax.Array, like: jax.Array, layout: _DataLayout) -> jax.Array:
     """[n, ...] split over the data axes -> sum over n, laid out like `like`."""
     if not (layout.axes and layout.explicit):
         return layout.constrain(jnp.sum(x, axis=0), P())
-    return jnp.einsum("n...->...", x, out_sharding=jax.typeof(like).sharding.spec)
+    return jnp.einsum("n...->...", x, out_sharding=_cotangent_spec(like))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
