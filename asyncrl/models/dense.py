@@ -36,10 +36,6 @@ class OutputMajor:
     t: Any
     n_in: int = field(metadata=dict(static=True))
 
-    @property
-    def dtype(self) -> Any:
-        return self.t.dtype
-
 
 def output_major(w: jax.Array, n_in: int) -> OutputMajor:
     """`w` in the usual [*in, *out] layout (the model's einsums) -> an OutputMajor leaf (a transposed copy)."""
