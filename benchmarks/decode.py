@@ -47,6 +47,7 @@ from asyncrl.inference.engine import Engine, Request  # noqa: E402
 from asyncrl.inference.replicas import ReplicaSet  # noqa: E402
 from asyncrl.models import Model, from_pretrained, preset, save_pretrained  # noqa: E402
 from asyncrl.models import params as params_lib  # noqa: E402
+from asyncrl.rollout import Prompt  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MODELS = {"tiny": "tiny", "smollm2": "SmolLM2-135M"}
@@ -157,7 +158,7 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 def time_ours(eng: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    reqs = [Request(p, 1) for p in prompts]
+    reqs = [Request(Prompt(i), p) for i, p in enumerate(prompts)]
     s = eng.stats
     before = (s.decode_steps, s.calls)
     t = time.perf_counter()
@@ -289,11 +290,11 @@ def slot_utilization(m: Loaded, sequences: int, batch: int, max_new: int, eos_id
     lengths in arrival order in batches of `batch` and pays max(length) steps per batch."""
     eng = engine_for(m, "float32", batch, max_new, temperature=1.0, eos_id=eos_id, seed=1)
     prompts = make_prompts(sequences, m.model.cfg.vocab_size, seed=1)
-    reqs = [Request(p, 1) for p in prompts]
+    reqs = [Request(Prompt(i), p) for i, p in enumerate(prompts)]
     eng.generate(reqs[:batch], drain=True)  # compile
     steps0, calls0 = eng.stats.decode_steps, eng.stats.calls
     t = time.perf_counter()
-    out = sorted(eng.generate(reqs, drain=True), key=lambda r: r.uid)  # uid = arrival order
+    out = sorted(eng.generate(reqs, drain=True), key=lambda r: r.prompt.position)  # position = arrival order
     wall = time.perf_counter() - t
     lengths = np.asarray([len(r.completions[0].tokens) for r in out])
     steps = eng.stats.decode_steps - steps0
@@ -403,7 +404,7 @@ def profile(m: Loaded, dtype: str, eng: Engine, prompts: list[list[int]], new_to
     }
     try:
         steps0 = eng.stats.decode_steps
-        reqs = [Request(p, 1) for p in prompts]
+        reqs = [Request(Prompt(i), p) for i, p in enumerate(prompts)]
         wall, by_cat, by_op = trace_split(lambda: eng.generate(reqs, drain=True))
         n = eng.stats.decode_steps - steps0
         out["xla_trace"] = {
@@ -440,7 +441,7 @@ def spmd_substitution(m: Loaded, batch: int, sequences: int, max_new: int, eos_i
         # Pure substitution: n requests into an empty engine without draining are one prefill and n fill calls
         # (no decode step runs: each call only substitutes a prefilled row into a free one). The difference
         # between n = batch and n = 1 cancels the prefill and leaves batch - 1 substitutions.
-        reqs = [Request(p, 1) for p in prompts]
+        reqs = [Request(Prompt(i), p) for i, p in enumerate(prompts)]
 
         def fill_round(n: int) -> float:
             t = time.perf_counter()

@@ -36,7 +36,7 @@ def peak_rss_bytes() -> int:
 
 def synthetic_rollouts(vocab: int, batch: int, group: int, prompt_len: int, completion_len: int, seed: int = 0):
     """`batch` sequences of exactly prompt_len + completion_len tokens, in groups with mixed 0/1 rewards."""
-    from asyncrl.inference.rollout import Completion, PromptRef, Rollout
+    from asyncrl.rollout import Completion, Prompt, Rollout
 
     rng = np.random.default_rng(seed)
     out = []
@@ -45,7 +45,7 @@ def synthetic_rollouts(vocab: int, batch: int, group: int, prompt_len: int, comp
                             logprobs=-rng.uniform(0.5, 4.0, completion_len).astype(np.float32),
                             forced=np.zeros(completion_len, bool), versions=np.zeros(completion_len, np.int32),
                             reward=float(i % 2)) for i in range(group)]
-        out.append(Rollout(prompt=PromptRef(g, SimpleNamespace(id=str(g), answer="")), group_size=group, completions=comps,
+        out.append(Rollout(prompt=Prompt(g, SimpleNamespace(id=str(g), answer=""), group), completions=comps,
                            prompt_tokens=rng.integers(1, vocab, prompt_len).astype(np.int32)))
     return out
 

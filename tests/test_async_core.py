@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncrl.inference.rollout import Completion, PromptRef, Rollout
+from asyncrl.rollout import Completion, Prompt, Rollout
 from asyncrl.orchestration.evals import Evals
 from asyncrl.orchestration.feeder import Feeder, FeederError
 from asyncrl.orchestration.inference_worker import InferenceWorker
@@ -64,8 +64,8 @@ def sample_stream():
 def group(position, version, rewards, round_=-1):
     comps = [Completion(tokens=np.array([1, 2], np.int32), logprobs=np.zeros(2, np.float32), forced=np.zeros(2, bool),
                         versions=np.full(2, version, np.int32), reward=float(r)) for r in rewards]
-    return Rollout(prompt=PromptRef(position, SimpleNamespace(id=f"s{position}", answer=str(position)), round_),
-                   prompt_tokens=np.array([3], np.int32), completions=comps, group_size=len(rewards), uid=position)
+    return Rollout(prompt=Prompt(position, SimpleNamespace(id=f"s{position}", answer=str(position)), len(rewards),
+                                 round_), prompt_tokens=np.array([3], np.int32), completions=comps)
 
 
 def wait_until(pred, timeout=5.0):

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from asyncrl.config.loader import load_config
-from asyncrl.config.validate import ConfigError
+from asyncrl.validate import ConfigError
 from asyncrl.models import CheckpointError, ModelConfigError, from_pretrained, save_pretrained
 from asyncrl.models.safetensors_io import SafetensorsFile, save_file
-from tests.hf_fixtures import save_hf_model
+from tests.helpers import save_hf_model
 
 
 @pytest.fixture(scope="module")

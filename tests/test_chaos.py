@@ -27,7 +27,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.test_orchestration_e2e import ROOT, TINY, rows
+from tests.helpers import ROOT, TINY, rows
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import shutil
 import jax
 import pytest
 
-from asyncrl.evaluate import encode_prompts, main
+from asyncrl.cli.evaluate import encode_prompts, main
 from asyncrl.models import Model, preset, save_pretrained
 from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
 from asyncrl.tasks import REASONS, DigitsTask, Sample, Score, pass_at_k

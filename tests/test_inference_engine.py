@@ -11,9 +11,9 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.forcing import force_end_of_think, force_eos
 from asyncrl.inference.replicas import ReplicaSet
-from asyncrl.inference.rollout import PromptRef
 from asyncrl.models import Model, preset
 from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
+from asyncrl.rollout import Prompt
 
 BASE = InferenceConfig(group_size=2, max_decode_batch_size=4, max_prefill_prompts=4, max_seq_len=48,
                        temperature=1.0, params_dtype="float32", kv_cache_dtype="float32", min_prefill_bucket=8)
@@ -32,7 +32,7 @@ def model_params():
 
 def _requests(tok, n=6, k=2):
     texts = ["3 1 4 1 5>", "9 2 6>", "5 3 5 8 9 7 9>", "3 2>", "8 4 6 2 6 4 3 3>", "8 3 2 7 9>", "5 0>", "2 8 8 4 1 9 7 1>"]
-    return [Request(tok.encode(t), k, PromptRef(i, t)) for i, t in enumerate(texts[:n])]
+    return [Request(Prompt(i, t, k), tok.encode(t)) for i, t in enumerate(texts[:n])]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -120,7 +120,7 @@ def test_compile_stability_after_warmup(model_params, tok):
     rng = np.random.default_rng(0)
 
     def batch(lengths):
-        return [Request(rng.integers(10, 90, size=n).tolist(), 2) for n in lengths]
+        return [Request(Prompt(i, None, 2), rng.integers(10, 90, size=n).tolist()) for i, n in enumerate(lengths)]
 
     eng.generate(batch([3, 8]) + batch([9, 16]) + batch([17, 32]) + batch([33, 60]))  # every bucket: 8,16,32,64
     warm = len(compiles)

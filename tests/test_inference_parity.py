@@ -9,9 +9,9 @@ import torch
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Request
 from asyncrl.inference.replicas import ReplicaSet
-from asyncrl.inference.rollout import PromptRef
 from asyncrl.models import from_pretrained
-from tests.hf_fixtures import save_hf_model
+from asyncrl.rollout import Prompt
+from tests.helpers import save_hf_model
 
 PROMPT_LENS = [5, 9, 3, 17, 12, 7, 20, 4, 11, 6, 14, 8, 2, 25]
 NEW = 24
@@ -42,7 +42,7 @@ def test_engine_greedy_matches_transformers(setup):
     cfg = InferenceConfig(group_size=1, max_decode_batch_size=4, max_prefill_prompts=4, max_seq_len=64,
                           max_new_tokens=NEW, temperature=0.0, params_dtype="float32", kv_cache_dtype="float32")
     rs = ReplicaSet(model, params, cfg, None, devices=__import__("jax").devices()[:1], eos_id=EOS)
-    out = rs.generate([Request(p, 1, PromptRef(i, p)) for i, p in enumerate(prompts)])
+    out = rs.generate([Request(Prompt(i, p), p) for i, p in enumerate(prompts)])
     assert [r.prompt.position for r in out] == list(range(len(prompts)))
     # max_decode_batch_size (4) < sequences (14): rows were substituted many times.
     assert rs.engines[0].stats.calls >= len(prompts)
@@ -52,7 +52,7 @@ def test_engine_greedy_matches_transformers(setup):
 
 
 def test_cli_greedy_matches_transformers(setup, tmp_path, capsys):
-    from asyncrl.generate import main
+    from asyncrl.cli.generate import main
 
     folder, prompts, refs = setup
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.test_orchestration_e2e import launch, rows
+from tests.helpers import launch, rows
 
 pytestmark = pytest.mark.slow
 

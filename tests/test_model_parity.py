@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.models import from_pretrained, save_pretrained
-from tests.hf_fixtures import KINDS, hf_logits, ragged_batch, save_hf_model
+from tests.helpers import KINDS, hf_logits, ragged_batch, save_hf_model
 
 LENS = [21, 13, 6, 17]
 

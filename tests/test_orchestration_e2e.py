@@ -4,39 +4,14 @@ FSDP mesh, 2 inference workers with 2 replicas each), max_lag=1, weight sync eve
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _ray_pids() -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    keys = ("raylet", "gcs_server", "ray::", "HostActor", "dashboard.py", "log_monitor.py")
-    return {int(line.split(None, 1)[0]) for line in out if any(k in line for k in keys)}
-
-
-def launch(run_dir, *overrides, timeout=600, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
-    env |= env_extra or {}
-    cmd = [sys.executable, "launch.py", f"run.run_dir={run_dir}", "logging.ray_metrics=false", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(x) for x in f if x.strip()]
-
-
-TINY = ["train.total_steps=6", "train.format_warmstart_steps=0", "inference.max_seq_len=24",
-        "inference.max_decode_batch_size=8", "inference.max_prefill_prompts=4", "train.train_batch_size=32",
-        "inference.group_size=4", "eval.num_prompts=8", "eval.group_size=2"]
-
+from tests.helpers import TINY, launch, ray_pids, rows
 
 def test_end_to_end_three_hosts(tmp_path):
-    before = _ray_pids()
+    before = ray_pids()
     run_dir = str(tmp_path / "run")
     res = launch(run_dir, *TINY, "run.hosts=3", "run.devices_per_host=2", "inference.tp=1", "async.train_workers=1",
                  "async.max_lag=1", "eval.every_n_steps=3", "checkpoint.every_n_steps=0", "checkpoint.resume=false",
@@ -88,9 +63,9 @@ def test_end_to_end_three_hosts(tmp_path):
     assert "eval reward before RL" in res.stdout
     # The driver started its own cluster and took it down: nothing new is left running.
     deadline = time.time() + 20
-    while (_ray_pids() - before) and time.time() < deadline:
+    while (ray_pids() - before) and time.time() < deadline:
         time.sleep(1)
-    assert not (_ray_pids() - before), subprocess.run(["ps", "-fp", ",".join(map(str, _ray_pids() - before))],
+    assert not (ray_pids() - before), subprocess.run(["ps", "-fp", ",".join(map(str, ray_pids() - before))],
                                                       capture_output=True, text=True).stdout
 
 

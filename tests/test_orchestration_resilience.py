@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.test_orchestration_e2e import ROOT, TINY, launch, rows
+from tests.helpers import ROOT, TINY, launch, rows
 
 pytestmark = pytest.mark.slow
 RESUME = [*TINY, "train.format_warmstart_steps=150", "train.total_steps=8", "async.max_lag=0", "checkpoint.every_n_steps=2", "checkpoint.export_hf=true",

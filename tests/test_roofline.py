@@ -7,7 +7,7 @@ import json
 import pytest
 
 from asyncrl.aot.roofline import CHIPS, RooflineError, roofline, valid_train_workers
-from asyncrl.aot.roofline_cli import main
+from asyncrl.cli.roofline import main
 
 BLOG = dict(
     params=8e9,

@@ -8,7 +8,7 @@ from jax.sharding import AxisType
 
 from asyncrl.models import from_pretrained
 from asyncrl.sharding.rules import fsdp_rules, tensor_parallel_rules
-from tests.hf_fixtures import ragged_batch, save_hf_model
+from tests.helpers import ragged_batch, save_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,4 @@
-"""Rollouts -> RLBatch layout, and the collector's staleness / zero-variance filters on hand-built records.
-
-Also home of the rollout builders that the other trainer tests (and the multi-process worker) import.
-"""
+"""Rollouts -> RLBatch layout, and the collector's staleness / zero-variance filters on hand-built records."""
 
 from __future__ import annotations
 
@@ -13,62 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl.inference.rollout import Completion, PromptRef, Rollout
-from asyncrl.models import params as params_lib
-from asyncrl.models.config import ModelConfig
+from asyncrl.rollout import Completion, Prompt, Rollout
 from asyncrl.train.batch import build_batch, combine_host_metrics, pad_batch
 from asyncrl.train.collect import RolloutTimeout, collect_rollouts
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import prepare_loss_inputs
 from asyncrl.train.step import with_loss_inputs
-
-
-def make_rollout(rng: np.random.Generator, uid: int, group_size: int, vocab: int, prompt_len: int, max_new: int,
-                 rewards: list[float] | None = None, version: int = 0, oldest_version: int | None = None) -> Rollout:
-    """A scored group of random completions; some end in a forced token; tokens carry versions in [oldest, version]."""
-    completions = []
-    for i in range(group_size):
-        n = int(rng.integers(1, max_new + 1))
-        forced = np.zeros(n, bool)
-        if n > 2 and rng.random() < 0.3:
-            forced[-1] = True
-        versions = np.full(n, version, np.int32)
-        if oldest_version is not None:
-            versions[: max(1, n // 2)] = oldest_version
-        reward = float(rng.integers(0, 2)) if rewards is None else rewards[i]
-        completions.append(Completion(
-            tokens=rng.integers(1, vocab, n).astype(np.int32),
-            logprobs=np.where(forced, 0.0, -rng.uniform(0.5, 5.0, n)).astype(np.float32),
-            forced=forced, versions=versions, reward=reward, reason="correct" if reward else "wrong"))
-    return Rollout(prompt=PromptRef(uid, SimpleNamespace(id=f"s{uid}", answer="1")),
-                   prompt_tokens=rng.integers(1, vocab, prompt_len).astype(np.int32),
-                   completions=completions, group_size=group_size, uid=uid)
-
-
-def make_rollouts(seed: int, n_groups: int, group_size: int, vocab: int, prompt_len: int = 5,
-                  max_new: int = 10) -> list[Rollout]:
-    """Random groups; every third one has alternating 0/1 rewards so that advantages are surely non-zero."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for g in range(n_groups):
-        r = make_rollout(rng, g, group_size, vocab, prompt_len, max_new)
-        if g % 3 == 0:
-            for i, c in enumerate(r.completions):
-                c.reward = float(i % 2)
-        out.append(r)
-    return out
-
-
-def random_params(cfg: ModelConfig, seed: int = 0) -> params_lib.Params:
-    """Host (numpy) weights with the model's init scales; no jax.random program to compile, unlike init_params."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(spec: params_lib.ParamSpec) -> np.ndarray:
-        if spec.init == "ones":
-            return np.ones(spec.shape, np.float32)
-        return (rng.standard_normal(spec.shape) / np.sqrt(spec.fan_in)).astype(np.float32)
-
-    return jax.tree.map(leaf, params_lib.abstract(cfg), is_leaf=lambda x: isinstance(x, params_lib.ParamSpec))
+from tests.helpers import make_rollout, make_rollouts
 
 
 def _completion(tokens, logprobs, forced, versions, reward) -> Completion:
@@ -77,10 +25,10 @@ def _completion(tokens, logprobs, forced, versions, reward) -> Completion:
 
 
 def test_build_batch_layout():
-    g0 = Rollout(prompt=PromptRef(0, SimpleNamespace(id="a", answer="")), prompt_tokens=np.array([5, 6, 7], np.int32), group_size=2,
+    g0 = Rollout(prompt=Prompt(0, SimpleNamespace(id="a", answer=""), 2), prompt_tokens=np.array([5, 6, 7], np.int32),
                  completions=[_completion([10, 11, 12], [-1.0, -2.0, 0.0], [0, 0, 1], [3, 3, 4], 1.0),
                               _completion([13], [-0.5], [0], [4], 0.0)])
-    g1 = Rollout(prompt=PromptRef(1, SimpleNamespace(id="b", answer="")), prompt_tokens=np.array([8], np.int32), group_size=2,
+    g1 = Rollout(prompt=Prompt(1, SimpleNamespace(id="b", answer=""), 2), prompt_tokens=np.array([8], np.int32),
                  completions=[_completion([20, 21, 22, 23, 24, 25, 26, 27, 28], [-0.1] * 9, [0] * 9, [5] * 9, 1.0),
                               _completion([30, 31], [-0.2, -0.3], [0, 0], [5, 5], 1.0)])
     cfg = LossConfig(name="dapo")
@@ -111,11 +59,11 @@ def test_build_batch_rejects_bad_input():
     with pytest.raises(ValueError, match="does not fit seq_len"):
         build_batch([r], LossConfig(), seq_len=3)
     r.prompt_tokens = np.zeros((0,), np.int32)
-    with pytest.raises(ValueError, match=r"rollout 0 \(s0\) has an empty prompt"):  # the sample's real id
+    with pytest.raises(ValueError, match=r"rollout of s0 \(data position 0\) has an empty prompt"):
         build_batch([r], LossConfig())
     r = make_rollouts(0, 1, 2, 50)[0]
     r.completions[1].reward = None
-    with pytest.raises(ValueError, match=r"rollout 0 \(s0\) has unscored completions"):
+    with pytest.raises(ValueError, match=r"rollout of s0 \(data position 0\) has unscored completions"):
         build_batch([r], LossConfig())
 
 
@@ -152,7 +100,7 @@ def test_collect_filters_stale_and_zero_variance_groups():
     ticks = iter([100.0, 103.5])
     kept, m = collect_rollouts(_queue_of(stream), n_groups=2, version=version, max_lag=max_lag,
                                drop_zero_variance=True, timeout_s=1.0, clock=lambda: next(ticks))
-    assert [r.uid for r in kept] == [0, 4]
+    assert [r.prompt.position for r in kept] == [0, 4]
     assert m["rollout/filtered_lag"] == 2 and m["rollout/filtered_zero_variance"] == 1
     assert (m["rollout/lag_min"], m["rollout/lag_max"], m["rollout/lag_mean"]) == (0, 2, 1)
     assert m["rollout/queue_wait_s_max"] == pytest.approx(3.5)

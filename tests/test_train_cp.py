@@ -24,7 +24,7 @@ from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.mesh import shard_batch
 from asyncrl.train.step import make_loss_fn, split_micro_batches, with_loss_inputs
 from asyncrl.train.trainer import Trainer
-from tests.test_train_batch import make_rollouts, random_params
+from tests.helpers import make_rollouts, random_params
 
 CFG = preset("tiny")  # H=4, K=2
 LOSS = LossConfig(name="grpo")

@@ -19,7 +19,7 @@ from asyncrl.train.loss_config import LOSS_NAMES, LossConfig
 from asyncrl.train.mesh import shard_batch
 from asyncrl.train.step import make_train_step
 from asyncrl.train.trainer import Trainer
-from tests.test_train_batch import make_rollouts, random_params
+from tests.helpers import make_rollouts, random_params
 
 DEFAULT_SUITE = ("cispo",)  # the default loss; the PPO-clip family runs with the slow tests
 TRAIN = TrainConfig(train_batch_size=32, lr=1e-4, weight_decay=0.1)

@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl.inference.rollout import Completion, PromptRef, Rollout
+from asyncrl.rollout import Completion, Prompt, Rollout
 from asyncrl.models import Model, preset
 from asyncrl.train.batch import build_batch
 from asyncrl.train.collect import collect_rollouts
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.trainer import Trainer
-from tests.test_train_batch import random_params
+from tests.helpers import random_params
 
 PROMPTS, GROUP, PROMPT_LEN, NEW, TARGET = 8, 8, 3, 2, 7
 
@@ -54,7 +54,7 @@ def _rollouts(prompts: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray, ver
     for p in range(len(prompts)):
         rows = range(p * GROUP, (p + 1) * GROUP)
         out.append(Rollout(
-            prompt=PromptRef(p, SimpleNamespace(id=str(p), answer=str(TARGET))), prompt_tokens=prompts[p], group_size=GROUP, uid=p,
+            prompt=Prompt(p, SimpleNamespace(id=str(p), answer=str(TARGET)), GROUP), prompt_tokens=prompts[p],
             completions=[Completion(tokens=tokens[r], logprobs=logprobs[r], forced=np.zeros(NEW, bool),
                                     versions=np.full(NEW, version, np.int32), reward=float(tokens[r, 0] == TARGET))
                          for r in rows]))

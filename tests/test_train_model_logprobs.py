@@ -9,7 +9,7 @@ from jax.sharding import AxisType
 
 from asyncrl.models import Model, preset
 from asyncrl.sharding.rules import fsdp_rules
-from tests.hf_fixtures import ragged_batch
+from tests.helpers import ragged_batch
 
 
 def _reference(model: Model, params, tokens, lens, temperature: float) -> np.ndarray:

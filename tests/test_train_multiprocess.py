@@ -16,7 +16,7 @@ import pytest
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig
 from asyncrl.train.trainer import Trainer
-from tests.train_multiprocess_worker import multihost_setup
+from tests.helpers import multihost_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

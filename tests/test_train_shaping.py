@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from asyncrl.inference.rollout import Completion, PromptRef, Rollout
+from asyncrl.rollout import Completion, Prompt, Rollout
 from asyncrl.models import Model, preset
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
@@ -16,7 +16,7 @@ from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import prepare_loss_inputs
 from asyncrl.train.shaping import overlong_penalty
 from asyncrl.train.trainer import Trainer
-from tests.test_train_batch import random_params
+from tests.helpers import random_params
 
 BUDGET, BUFFER = 12, 4
 
@@ -57,8 +57,8 @@ def make_group(vocab: int = 128, prompt_len: int = 3) -> list[Rollout]:
                                     logprobs=np.where(forced, 0.0, np.log(rng.uniform(0.1, 0.9, n))).astype(np.float32),
                                     forced=forced, versions=np.zeros(n, np.int32), finish_reason=finish,
                                     reward=reward))
-        out.append(Rollout(prompt=PromptRef(g, SimpleNamespace(id=str(g))), prompt_tokens=rng.integers(1, vocab, prompt_len),
-                           completions=comps, group_size=4, uid=g))
+        out.append(Rollout(prompt=Prompt(g, SimpleNamespace(id=str(g)), 4), prompt_tokens=rng.integers(1, vocab, prompt_len),
+                           completions=comps))
     return out
 
 

@@ -19,7 +19,7 @@ from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.mesh import shard_batch
 from asyncrl.train.step import make_loss_fn, with_loss_inputs
 from asyncrl.train.trainer import Trainer
-from tests.test_train_batch import make_rollouts, random_params
+from tests.helpers import make_rollouts, random_params
 
 TRAIN = TrainConfig(train_batch_size=32, grad_accum_steps=2, lr=1e-4, warmup_steps=1, weight_decay=0.1)
 LOSS = LossConfig(name="grpo")

@@ -14,7 +14,7 @@ from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.optimizer import decay_mask, lr_schedule
 from asyncrl.train.trainer import Trainer
-from tests.test_train_batch import make_rollouts
+from tests.helpers import make_rollouts
 
 
 def _trainer(**train) -> Trainer:

@@ -24,7 +24,7 @@ from asyncrl.train.losses import get_loss
 from asyncrl.train.mesh import shard_batch
 from asyncrl.train.step import make_train_step, token_logprobs
 from asyncrl.train.trainer import Trainer
-from tests.test_train_batch import make_rollouts, random_params
+from tests.helpers import make_rollouts, random_params
 
 CHUNK = 64
 SINGLE = ShardingConfig(mesh=MeshConfig(dp=1, fsdp=1))

@@ -10,38 +10,12 @@ import argparse
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-
-
-def multihost_setup() -> SimpleNamespace:
-    """The run both the workers and the single-process reference train: tiny model, two steps of 8 groups x 4."""
-    from asyncrl.inference.rollout import Completion
-    from asyncrl.models import Model, preset
-    from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
-    from asyncrl.train.loss_config import LossConfig
-    from tests.test_train_batch import make_rollouts
-
-    model = Model(preset("tiny"))
-    steps = [make_rollouts(seed, 8, 4, model.cfg.vocab_size) for seed in (0, 1)]
-    # Only host 1 holds this 20-token completion, so its local batch pads to T=32 and host 0's to 16: the hosts
-    # must agree on T before their rows can form one array.
-    c = steps[0][-1].completions[0]
-    steps[0][-1].completions[0] = Completion(
-        tokens=np.resize(c.tokens, 20), logprobs=np.resize(c.logprobs, 20), forced=np.zeros(20, bool),
-        versions=np.zeros(20, np.int32), reward=c.reward)
-    return SimpleNamespace(
-        model=model,
-        train_cfg=TrainConfig(train_batch_size=32, grad_accum_steps=2, lr=1e-4, warmup_steps=1, weight_decay=0.1),
-        loss_cfg=LossConfig(name="dapo"),
-        sharding_cfg=ShardingConfig(mesh=MeshConfig(dp=2, fsdp=4), min_bytes_for_fsdp=0),
-        steps=steps,
-    )
 
 
 def main() -> None:
@@ -59,6 +33,8 @@ def main() -> None:
 
     from asyncrl.train.batch import build_batch
     from asyncrl.train.trainer import Trainer
+
+    from tests.helpers import multihost_setup
 
     setup = multihost_setup()
     trainer = Trainer(setup.model, setup.train_cfg, setup.loss_cfg, setup.sharding_cfg)

@@ -1,4 +1,4 @@
-"""`launch.py aot`: compile a run's programs for a TPU slice on any machine, and say whether they fit and how fast
+"""The report of `launch.py aot` (`asyncrl/cli/aot.py`): compile a run's programs for a TPU slice on any machine, and say whether they fit and how fast
 they can be.
 
 For each program (`programs.py`) the compiled executable gives per-chip memory (`memory_analysis`) and the
@@ -17,11 +17,8 @@ collective bytes are reported beside it.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -233,48 +230,3 @@ def run_aot(cfg: Any, topology: str, only: Sequence[str] | None = None, log: Any
         if log:
             log(f"      {rows[-1].compile_s:.1f}s, peak {_gib(rows[-1].peak_bytes_per_chip)} GiB per chip")
     return rows
-
-
-def main(argv: Sequence[str]) -> int:
-    """`launch.py aot [--config-name NAME] [overrides] [--topology T] [--json] [--out FILE] [--programs P,Q]`"""
-    ap = argparse.ArgumentParser(prog="launch.py aot", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--topology", default=None, help="TPU slice, e.g. v5p:2x4x4 (default: the config's run.tpu_topology)")
-    ap.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
-    ap.add_argument("--out", default=None, help="also write the JSON rows to this file")
-    ap.add_argument("--programs", default=None,
-                    help="comma-separated: only programs whose name starts with one of these (e.g. train_step,decode)")
-    args, rest = ap.parse_known_args(list(argv))
-    from launch import _split_name  # the one place that parses --config-name
-
-    from asyncrl.config.loader import load_config
-    from asyncrl.config.validate import ConfigError
-
-    try:
-        cfg = load_config(*_split_name(rest))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    topology = args.topology or cfg.run.tpu_topology
-    if topology is None:
-        print("launch.py aot: no --topology and the config sets no run.tpu_topology", file=sys.stderr)
-        return 2
-    progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    try:
-        only = [p for p in args.programs.split(",") if p] if args.programs else None
-        rows = run_aot(cfg, topology, only, progress)
-    except (AotError, ValueError) as e:
-        print(f"launch.py aot: {e}", file=sys.stderr)
-        return 2
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(json_rows(rows), f, indent=1)
-    if args.json:
-        print(json.dumps(json_rows(rows), indent=1))
-    else:
-        print(f"{cfg.run.name} on {topology}: memory per chip (binary units); FLOPs, HBM bytes and collective bytes "
-              "per chip and per call, loops weighted by trip count")
-        print(format_table(rows))
-    bad = [r for r in rows if not r.fits]
-    for r in bad:
-        print(failure_message(r), file=sys.stderr)
-    return 1 if bad else 0

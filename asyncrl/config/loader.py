@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config.schema import Config
-from asyncrl.config.validate import ConfigError
+from asyncrl.validate import ConfigError
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 _ALIASES = {"async": "async_"}  # YAML/CLI name -> dataclass field name
@@ -78,6 +78,27 @@ def parse_overrides(overrides: Sequence[str], config_dir: str = CONFIG_DIR) -> t
             raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from e
         fields.append((key, value))
     return choices, fields
+
+
+def split_config_name(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """`[--config-name NAME | --config-name=NAME] overrides...` -> (NAME or "default", overrides): the one parser of
+    `--config-name`, shared by every command that takes a run config (run, submit, aot, plan)."""
+    name, rest, i = "default", [], 0
+    argv = list(argv)
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config-name":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config-name needs a value: the name of a file in configs/, e.g. --config-name default")
+            name = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith("--config-name="):
+            name = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return name, rest
 
 
 def _nest(dotted: str, value: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from asyncrl.config.validate import ConfigError, check, check_choice
+from asyncrl.validate import ConfigError, check, check_choice
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
 from asyncrl.tasks.config import TaskConfig

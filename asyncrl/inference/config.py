@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from asyncrl.config.validate import check, check_choice
+from asyncrl.validate import check, check_choice
 
 DEFAULT_THINK_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now.\n</think>"
 

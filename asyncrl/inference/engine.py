@@ -27,24 +27,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.programs import DecodePrograms, cpu_decode_layout
-from asyncrl.inference.rollout import Completion, PromptRef, Rollout
 from asyncrl.inference.state import DecodeState, FinishedRow
 from asyncrl.models import dense
 from asyncrl.models.tokenizer import Tokenizer, bucket_length
 from asyncrl.models.transformer import Model
+from asyncrl.rollout import Completion, Prompt, Rollout
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Request:
-    """A prompt to sample `n` times. `prompt` rides along into the Rollout."""
+    """Work for the engine: `prompt.n` samples of these token ids. The `Prompt` rides along into the Rollout, and
+    its `uid` seeds the samples (with the engine seed)."""
 
+    prompt: Prompt
     tokens: Sequence[int]
-    n: int
-    prompt: PromptRef | None = None
-    is_eval: bool = False
-    uid: int | None = None  # seeds this prompt's samples (with the engine seed); None = an engine counter
 
 
 @dataclass
@@ -94,7 +92,6 @@ class Engine(DecodePrograms):
         self.between_loops: Callable[[], None] = lambda: None
         self.stats = EngineStats()
         self._slot_counter = 0
-        self._uid_counter = 0
         self._slots: dict[int, tuple[_Group, int]] = {}
         self._in_flight = 0
         self._state: DecodeState | None = None
@@ -168,12 +165,10 @@ class Engine(DecodePrograms):
             prefill = self.prefill([r.tokens for r in chunk])
             queue: list[tuple[int, _Group, int]] = []
             for i, r in enumerate(chunk):
-                uid = r.uid if r.uid is not None else self._uid_counter
-                rollout = Rollout(prompt=r.prompt, prompt_tokens=np.asarray(r.tokens, np.int32), group_size=r.n,
-                                  is_eval=r.is_eval, uid=uid, worker=self.name)
-                self._uid_counter += 1
-                g = _Group(rollout, r.n, [None] * r.n)
-                queue.extend((i, g, k) for k in range(r.n))
+                rollout = Rollout(prompt=r.prompt, prompt_tokens=np.asarray(r.tokens, np.int32), worker=self.name)
+                n = r.prompt.n
+                g = _Group(rollout, n, [None] * n)
+                queue.extend((i, g, k) for k in range(n))
             for i, g, k in queue:
                 while not self._call(prefill, i, (g, k), emit):  # a chunk ended before a row was free: decode on
                     pass
@@ -213,7 +208,7 @@ class Engine(DecodePrograms):
         if prefill is None:
             prefill = self._dummy_prefill()
         t0 = time.perf_counter()
-        uid, k = (target[0].rollout.uid, target[1]) if target is not None else (0, 0)
+        uid, k = (target[0].rollout.prompt.uid, target[1]) if target is not None else (0, 0)
         args = (params, self._state, prefill, np.int32(p), np.int32(slot), np.int32(version),
                 np.uint32(uid & 0xFFFFFFFF), np.int32(k), np.int32(self.cfg.decode_chunk_steps))
         if self.mesh is None:

@@ -19,9 +19,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
-from asyncrl.inference.rollout import PromptRef, Rollout
 from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.models.transformer import Model
+from asyncrl.rollout import Rollout
 from asyncrl.sharding.rules import tensor_parallel_rules
 
 log = logging.getLogger(__name__)
@@ -106,14 +106,14 @@ class ReplicaSet:
             e.set_params(place_params(params, e.model.param_shardings(e.mesh)), version)
 
     def generate(self, requests: Sequence[Request], on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
-        """Sample every request; rollouts come back in request order (each request's prompt is wrapped in one
-        that carries its index, and unwrapped at the end)."""
-        indexed = [Request(r.tokens, r.n, PromptRef(i, r.prompt), r.is_eval, r.uid if r.uid is not None else i)
-                   for i, r in enumerate(requests)]
+        """Sample every request; rollouts come back in request order."""
+        order = {id(r.prompt): i for i, r in enumerate(requests)}
+        if len(order) < len(requests):
+            raise ValueError("ReplicaSet.generate: two requests share one Prompt object; give each its own")
         chunks: "queue.Queue[list[Request]]" = queue.Queue()
         step = self.cfg.max_prefill_prompts
-        for s in range(0, len(indexed), step):
-            chunks.put(indexed[s : s + step])
+        for s in range(0, len(requests), step):
+            chunks.put(list(requests[s : s + step]))
         results: list[Rollout] = []
         lock = threading.Lock()
         errors: list[BaseException] = []
@@ -143,7 +143,5 @@ class ReplicaSet:
             t.join()
         if errors:
             raise errors[0]
-        results.sort(key=lambda r: r.prompt.position)
-        for r in results:
-            r.prompt = r.prompt.sample
+        results.sort(key=lambda r: order[id(r.prompt)])
         return results

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from asyncrl.config.validate import check, check_choice
+from asyncrl.validate import check, check_choice
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from typing import Any
 
 import ray
 
-from asyncrl.config.loader import to_yaml
 from asyncrl.orchestration import logs
 from asyncrl.orchestration.host import HostActor, HostResult, role_of
 from asyncrl.orchestration.metrics import MetricsSink
@@ -254,12 +253,14 @@ def _dump_stacks(actors: list[Any], info: list[dict[str, Any]], run_dir: str) ->
     print(out, file=sys.stderr)
 
 
-def run(cfg: Any) -> int:
+def run(cfg: Any, config_yaml: str) -> int:
+    """The run, restarted from its latest checkpoint on a host failure (`run.max_restarts`); `config_yaml` is the
+    resolved config, written to the run dir."""
     logs.configure(cfg.logging.level, "%(asctime)s [driver] %(message)s")
     run_dir = run_dir_of(cfg)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+        f.write(config_yaml)
     if not cfg.checkpoint.resume and os.path.isdir(os.path.join(run_dir, "checkpoints")):
         shutil.rmtree(os.path.join(run_dir, "checkpoints"))
     started = _connect(cfg)

@@ -18,15 +18,13 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from asyncrl.orchestration.feeder import PromptItem
+from asyncrl.rollout import Prompt
 from asyncrl.tasks import summarize_rewards
-
-EVAL_POSITION_BASE = 1_000_000_000  # eval prompts' positions (and so their seeds) never meet train positions
 
 
 class Evals:
     def __init__(self, samples: Callable[[], Iterable[Any]], num_prompts: int, group_size: int, run_dir: str, *,
-                 put: Callable[[PromptItem, float], None], poll: Callable[[float], Any], qsize: Callable[[], int],
+                 put: Callable[[Prompt, float], None], poll: Callable[[float], Any], qsize: Callable[[], int],
                  timeout_s: float, who: str = "trainer0"):
         self._samples, self.num_prompts, self.group_size, self.run_dir = samples, num_prompts, group_size, run_dir
         self._put, self._poll, self._qsize, self.timeout_s, self.who = put, poll, qsize, timeout_s, who
@@ -39,7 +37,7 @@ class Evals:
         if self._eval_samples is None:  # the same held-out prompts every round
             self._eval_samples = [s for _, s in zip(range(self.num_prompts), self._samples())]
         for i, s in enumerate(self._eval_samples):
-            self._put(PromptItem(EVAL_POSITION_BASE + i, s, self.group_size, True, round_), self.timeout_s)
+            self._put(Prompt.for_eval(i, s, self.group_size, round_), self.timeout_s)
         self.pending = (round_, len(self._eval_samples), at_step)
 
     def at_step(self, step: int, total: int, every: int,

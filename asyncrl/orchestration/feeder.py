@@ -33,23 +33,13 @@ import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from asyncrl.rollout import Prompt
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptItem:
-    """What travels on the prompt queues: the task sample, its data position (seeds its samples), and n."""
-
-    position: int
-    sample: Any
-    n: int
-    is_eval: bool = False
-    eval_round: int = -1
 
 
 class FeederError(RuntimeError):
@@ -57,7 +47,7 @@ class FeederError(RuntimeError):
 
 
 class Feeder:
-    def __init__(self, samples: Callable[[], Iterator[Any]], put: Callable[[PromptItem, float], None], *,
+    def __init__(self, samples: Callable[[], Iterator[Any]], put: Callable[[Prompt, float], None], *,
                  prompts_per_step: int, max_lag: int, group_size: int, oversample: bool = False,
                  drain_remote: Callable[[], list[tuple[int, bool]]] | None = None, poll_s: float = 0.02,
                  timeout_s: float = 300.0, who: str = "trainer0"):
@@ -186,7 +176,7 @@ class Feeder:
             self.released_at[position] = self.synced_version
             if new:
                 self.position = position + 1
-        item = PromptItem(position, sample, self.n)
+        item = Prompt(position, sample, self.n)
         deadline = time.monotonic() + self.timeout_s
         while not self.stop.is_set():  # the prompt queue is bounded: wait in short slices, stoppable
             try:

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet, place_params
-from asyncrl.inference.rollout import PromptRef, Rollout
 from asyncrl.orchestration import faults
 from asyncrl.orchestration.queues import QueueTimeout
+from asyncrl.rollout import Rollout
 from asyncrl.sharding.roles import split_roles
 from asyncrl.tasks import Verifier, build_task
 
@@ -189,13 +189,8 @@ class InferenceWorker:
                 items.append(self.q["prompt"].get_nowait())
             except queue.Empty:
                 break
-        reqs = []
-        for it in items:
-            toks = self.tokenizer.encode_prompt(it.sample.prompt, chat=self.cfg.task.prompt_template == "chat")
-            uid = it.position if not it.is_eval else it.position + 7919 * (it.eval_round + 1)
-            reqs.append(Request(toks, it.n, PromptRef(it.position, it.sample, it.eval_round), is_eval=it.is_eval,
-                                uid=uid))
-        return reqs
+        chat = self.cfg.task.prompt_template == "chat"
+        return [Request(p, self.tokenizer.encode_prompt(p.sample.prompt, chat=chat)) for p in items]
 
     def _replica_loop(self, engine: Engine) -> None:
         try:

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from asyncrl.inference.rollout import Rollout
+from asyncrl.rollout import Rollout
 
 
 def rollouts_path(run_dir: str, rank: int) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from asyncrl.config.validate import check, check_choice
+from asyncrl.validate import check, check_choice
 
 # Published dataset layouts that `math_file` recognizes (see math_files.py for the fields of each).
 MATH_FILE_SCHEMAS = ("dapo", "math500", "aime2024", "aime2025", "amc", "gsm8k")

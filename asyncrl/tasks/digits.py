@@ -20,7 +20,7 @@ import string
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from asyncrl.config.validate import check, check_choice
+from asyncrl.validate import check, check_choice
 from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash, stable_unit
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 

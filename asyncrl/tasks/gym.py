@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any, Iterator, Mapping
 
-from asyncrl.config.validate import ConfigError, check_choice
+from asyncrl.validate import ConfigError, check_choice
 from asyncrl.tasks.base import Sample, Score, Task, check_split
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.extract import ANSWER_FORMATS, extract_answer, render_answer

@@ -14,7 +14,7 @@ import os
 import random
 from typing import Iterator, Mapping
 
-from asyncrl.config.validate import ConfigError, check, check_choice
+from asyncrl.validate import ConfigError, check, check_choice
 from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash, stable_unit
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.extract import ANSWER_FORMATS, AnswerLimits, render_answer

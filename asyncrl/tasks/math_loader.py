@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from asyncrl.config.validate import check_choice
+from asyncrl.validate import check_choice
 from asyncrl.tasks.config import MATH_FILE_SCHEMAS
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from asyncrl.config.validate import ConfigError
+from asyncrl.validate import ConfigError
 from asyncrl.tasks.base import Task
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.digits import build_digits

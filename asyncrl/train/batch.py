@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from asyncrl.inference.rollout import Rollout
+from asyncrl.rollout import Rollout
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.shaping import shaping_for
 
@@ -76,8 +76,8 @@ def build_batch(rollouts: Sequence[Rollout], loss_cfg: LossConfig, pad_to_multip
     rows = [(r, c) for r in rollouts for c in r.completions]
     for r, c in rows:
         if len(r.prompt_tokens) < 1:
-            raise ValueError(f"rollout {r.uid} ({r.label}) has an empty prompt: the first "
-                             "completion token would have no context to be scored in")
+            raise ValueError(f"rollout of {r.prompt.id} (data position {r.prompt.position}) has an empty prompt: "
+                             "the first completion token would have no context to be scored in")
     longest = max(len(r.prompt_tokens) + len(c.tokens) for r, c in rows)
     T = round_up(longest, pad_to_multiple) if seq_len is None else seq_len
     if longest > T:

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from asyncrl.inference.rollout import Rollout
+from asyncrl.rollout import Rollout
 from asyncrl.train.batch import HostMetrics
 
 log = logging.getLogger(__name__)

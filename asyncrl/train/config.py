@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncrl.config.validate import check, check_choice
+from asyncrl.validate import check, check_choice
 
 
 @dataclass(frozen=True)

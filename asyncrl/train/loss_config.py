@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from asyncrl.config.validate import ConfigError, check, check_choice
+from asyncrl.validate import ConfigError, check, check_choice
 
 LOSS_NAMES = ("cispo", "grpo", "dr_grpo", "dapo", "rloo", "gspo", "gspo_token")
 NORMALIZATIONS = ("seq_mean", "token_mean", "constant")

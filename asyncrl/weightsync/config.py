@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncrl.config.validate import check
+from asyncrl.validate import check
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""`launch.py roofline`: the roofline model of `roofline.py` from the command line, with chip and model presets,
-or from the compiled per-step figures of `launch.py aot --out FILE` (`split.py`)."""
+"""`launch.py roofline`: the roofline model of `asyncrl/aot/roofline.py` from the command line, with chip and
+model presets, or from the compiled per-step figures of `launch.py aot --out FILE` (`asyncrl/aot/split.py`)."""
 
 from __future__ import annotations
 

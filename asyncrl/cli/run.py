@@ -1,0 +1,21 @@
+"""`launch.py [--config-name NAME] [key=value | group=option ...]`: the RL run, on a local Ray cluster of simulated
+hosts, or on the cluster at RAY_ADDRESS."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from asyncrl.config.loader import load_config, split_config_name, to_yaml
+from asyncrl.validate import ConfigError
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        cfg = load_config(*split_config_name(argv))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from asyncrl.orchestration.driver import run
+
+    return run(cfg, to_yaml(cfg))

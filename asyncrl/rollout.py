@@ -1,0 +1,131 @@
+"""The records of one rollout, from the prompt feeder through the inference engine to the trainer (token in,
+token out). Neutral ground: inference produces them and train consumes them, and this module imports neither.
+
+- `Prompt`: one prompt of the data stream, the only wrapper a task sample gets. It rides the prompt queue, the
+  engine and the rollout queue unchanged, and says everything the pipeline keys on: the data position (orders a
+  step's batch, is what the feeder accounts for), the group size, the eval round, and the seed (`uid`).
+- `Completion`: one sampled completion. Raw sampled ids, sampler logprobs, a mask of tokens the engine forced
+  (EOS at the length limit, the reasoning-budget phrase) so the loss can leave them out, and the weight version
+  in force when each token was sampled, so staleness is known per token and not only per sample.
+- `Rollout`: a prompt and its group of completions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+EVAL_POSITION_BASE = 1_000_000_000
+"""Eval prompts' positions: `EVAL_POSITION_BASE + index in the eval set`, so they (and their seeds) never meet a
+train position."""
+_EVAL_ROUND_STRIDE = 7919  # a prime: each eval round samples its fixed prompts with fresh seeds
+
+
+def prompt_uid(position: int, eval_round: int = -1) -> int:
+    """The seed of a prompt's samples (with the engine seed and the sample index): its data position for a train
+    prompt, so a resumed run regenerates a position exactly; shifted per round for an eval prompt, whose position
+    repeats every round."""
+    return position if eval_round < 0 else position + _EVAL_ROUND_STRIDE * (eval_round + 1)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt, as the feeder releases it and the trainer receives it back in its `Rollout`."""
+
+    position: int
+    """Data position: orders a step's batch, seeds the prompt's samples, and is what the feeder accounts for
+    (evals: `EVAL_POSITION_BASE` + index in the eval set; the CLIs: the request's index)."""
+    sample: Any = None
+    """The task's `Sample` (id, prompt, gold answer) in a run; whatever a CLI attaches otherwise."""
+    n: int = 1
+    """Completions to sample: the group size."""
+    eval_round: int = -1
+    """The eval round it belongs to; -1 for a train prompt."""
+
+    @staticmethod
+    def for_eval(index: int, sample: Any, n: int, eval_round: int) -> "Prompt":
+        return Prompt(EVAL_POSITION_BASE + index, sample, n, eval_round)
+
+    @property
+    def is_eval(self) -> bool:
+        return self.eval_round >= 0
+
+    @property
+    def uid(self) -> int:
+        return prompt_uid(self.position, self.eval_round)
+
+    @property
+    def id(self) -> str:
+        """For logs and messages: the sample's id, else the data position."""
+        sid = getattr(self.sample, "id", None)
+        return str(sid) if sid is not None else f"position {self.position}"
+
+
+@dataclass
+class Completion:
+    tokens: np.ndarray  # [n] int32, generated ids only (ends with EOS unless truncated by the caller)
+    logprobs: np.ndarray  # [n] float32, sampler logprobs (0 for forced tokens)
+    forced: np.ndarray  # [n] bool, True where the engine forced the token instead of sampling it
+    versions: np.ndarray  # [n] int32, weight version in force when each token was produced
+    text: str = ""
+    finish_reason: str = "eos"  # "eos" (sampled EOS) or "length" (forced at max_seq_len)
+    ended_thinking: bool = False  # an end-of-think token was sampled or forced (reasoning budget)
+    reward: float | None = None
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if not (len(self.logprobs) == len(self.forced) == len(self.versions) == n):
+            raise ValueError(
+                f"completion arrays disagree: tokens={n} logprobs={len(self.logprobs)} "
+                f"forced={len(self.forced)} versions={len(self.versions)}"
+            )
+
+    @property
+    def start_version(self) -> int:
+        return int(self.versions[0]) if len(self.versions) else 0
+
+    @property
+    def end_version(self) -> int:
+        return int(self.versions[-1]) if len(self.versions) else 0
+
+    @property
+    def version_boundaries(self) -> list[tuple[int, int]]:
+        """(token index, new version) wherever an in-flight weight update landed inside this completion."""
+        v = self.versions
+        return [(int(i), int(v[i])) for i in np.nonzero(np.diff(v))[0] + 1] if len(v) > 1 else []
+
+
+@dataclass
+class Rollout:
+    """One prompt and its group of completions."""
+
+    prompt: Prompt
+    prompt_tokens: np.ndarray  # [p] int32
+    completions: list[Completion] = field(default_factory=list)
+    worker: str = ""  # which inference worker / replica produced it
+
+    @property
+    def group_size(self) -> int:
+        return self.prompt.n
+
+    @property
+    def is_eval(self) -> bool:
+        return self.prompt.is_eval
+
+    @property
+    def done(self) -> bool:
+        return len(self.completions) >= self.group_size
+
+    @property
+    def oldest_version(self) -> int:
+        """The blog's `lag` base: the oldest weight version any token of this group was sampled with."""
+        return min((int(c.versions.min()) for c in self.completions if len(c.versions)), default=0)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        if any(c.reward is None for c in self.completions):
+            raise ValueError(f"rollout of {self.prompt.id} (data position {self.prompt.position}) has unscored completions")
+        return np.asarray([c.reward for c in self.completions], np.float32)

@@ -1,0 +1,185 @@
+"""Shared test helpers: tiny random Hugging Face models (the PyTorch reference), rollout and param builders,
+the `launch.py` runner, and the multi-host trainer setup. Test modules import from here, never from each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+
+from asyncrl.models import params as params_lib
+from asyncrl.models.config import ModelConfig
+from asyncrl.rollout import Completion, Prompt, Rollout
+
+# ---- tiny Hugging Face models -----------------------------------------------------------------------------------
+
+KINDS = ("qwen3_tied", "qwen3_untied", "llama31")
+
+
+def make_hf_model(kind: str, seed: int = 0, vocab: int = 160):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    if kind.startswith("qwen3"):
+        cfg = Qwen3Config(
+            vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=24,  # head_dim independent of hidden/heads, as in Qwen3
+            tie_word_embeddings=(kind == "qwen3_tied"), max_position_embeddings=512, rope_theta=1000000.0,
+            eos_token_id=1, bos_token_id=None, pad_token_id=0,
+        )
+        model = Qwen3ForCausalLM(cfg)
+    elif kind == "llama31":
+        cfg = LlamaConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=1, rope_theta=500000.0, tie_word_embeddings=False,
+            # max_position_embeddings smaller than the rope-scaling original: the published 3.1 has it larger.
+            max_position_embeddings=256,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 1024},
+            eos_token_id=1, bos_token_id=None, pad_token_id=0,
+        )
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    # Random init has tiny norms/weights; widen them so logits differ meaningfully between positions.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.08)
+    return model.eval()
+
+
+def save_hf_model(kind: str, folder: str, seed: int = 0):
+    model = make_hf_model(kind, seed)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    import torch
+
+    mask = (np.arange(tokens.shape[1])[None, :] < lens[:, None]).astype(np.int64)
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.float().numpy()
+
+
+def ragged_batch(vocab: int, lens, width: int | None = None, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lens = np.asarray(lens, np.int32)
+    width = width or int(lens.max())
+    toks = rng.integers(2, vocab, size=(len(lens), width)).astype(np.int32)
+    toks[np.arange(width)[None, :] >= lens[:, None]] = 0
+    return toks, lens
+
+
+# ---- rollouts and params ----------------------------------------------------------------------------------------
+
+def make_rollout(rng: np.random.Generator, uid: int, group_size: int, vocab: int, prompt_len: int, max_new: int,
+                 rewards: list[float] | None = None, version: int = 0, oldest_version: int | None = None) -> Rollout:
+    """A scored group of random completions; some end in a forced token; tokens carry versions in [oldest, version]."""
+    completions = []
+    for i in range(group_size):
+        n = int(rng.integers(1, max_new + 1))
+        forced = np.zeros(n, bool)
+        if n > 2 and rng.random() < 0.3:
+            forced[-1] = True
+        versions = np.full(n, version, np.int32)
+        if oldest_version is not None:
+            versions[: max(1, n // 2)] = oldest_version
+        reward = float(rng.integers(0, 2)) if rewards is None else rewards[i]
+        completions.append(Completion(
+            tokens=rng.integers(1, vocab, n).astype(np.int32),
+            logprobs=np.where(forced, 0.0, -rng.uniform(0.5, 5.0, n)).astype(np.float32),
+            forced=forced, versions=versions, reward=reward, reason="correct" if reward else "wrong"))
+    return Rollout(prompt=Prompt(uid, SimpleNamespace(id=f"s{uid}", answer="1"), group_size),
+                   prompt_tokens=rng.integers(1, vocab, prompt_len).astype(np.int32), completions=completions)
+
+
+def make_rollouts(seed: int, n_groups: int, group_size: int, vocab: int, prompt_len: int = 5,
+                  max_new: int = 10) -> list[Rollout]:
+    """Random groups; every third one has alternating 0/1 rewards so that advantages are surely non-zero."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_groups):
+        r = make_rollout(rng, g, group_size, vocab, prompt_len, max_new)
+        if g % 3 == 0:
+            for i, c in enumerate(r.completions):
+                c.reward = float(i % 2)
+        out.append(r)
+    return out
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> params_lib.Params:
+    """Host (numpy) weights with the model's init scales; no jax.random program to compile, unlike init_params."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(spec: params_lib.ParamSpec) -> np.ndarray:
+        if spec.init == "ones":
+            return np.ones(spec.shape, np.float32)
+        return (rng.standard_normal(spec.shape) / np.sqrt(spec.fan_in)).astype(np.float32)
+
+    return jax.tree.map(leaf, params_lib.abstract(cfg), is_leaf=lambda x: isinstance(x, params_lib.ParamSpec))
+
+
+
+# ---- runs through launch.py -------------------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ray_pids() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    keys = ("raylet", "gcs_server", "ray::", "HostActor", "dashboard.py", "log_monitor.py")
+    return {int(line.split(None, 1)[0]) for line in out if any(k in line for k in keys)}
+
+
+def launch(run_dir, *overrides, timeout=600, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    env |= env_extra or {}
+    cmd = [sys.executable, "launch.py", f"run.run_dir={run_dir}", "logging.ray_metrics=false", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+TINY = ["train.total_steps=6", "train.format_warmstart_steps=0", "inference.max_seq_len=24",
+        "inference.max_decode_batch_size=8", "inference.max_prefill_prompts=4", "train.train_batch_size=32",
+        "inference.group_size=4", "eval.num_prompts=8", "eval.group_size=2"]
+
+
+
+# ---- the multi-host trainer test -------------------------------------------------------------------------------
+
+def multihost_setup() -> SimpleNamespace:
+    """The run both the workers and the single-process reference train: tiny model, two steps of 8 groups x 4."""
+    from asyncrl.models import Model, preset
+    from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
+    from asyncrl.train.loss_config import LossConfig
+
+    model = Model(preset("tiny"))
+    steps = [make_rollouts(seed, 8, 4, model.cfg.vocab_size) for seed in (0, 1)]
+    # Only host 1 holds this 20-token completion, so its local batch pads to T=32 and host 0's to 16: the hosts
+    # must agree on T before their rows can form one array.
+    c = steps[0][-1].completions[0]
+    steps[0][-1].completions[0] = Completion(
+        tokens=np.resize(c.tokens, 20), logprobs=np.resize(c.logprobs, 20), forced=np.zeros(20, bool),
+        versions=np.zeros(20, np.int32), reward=c.reward)
+    return SimpleNamespace(
+        model=model,
+        train_cfg=TrainConfig(train_batch_size=32, grad_accum_steps=2, lr=1e-4, warmup_steps=1, weight_decay=0.1),
+        loss_cfg=LossConfig(name="dapo"),
+        sharding_cfg=ShardingConfig(mesh=MeshConfig(dp=2, fsdp=4), min_bytes_for_fsdp=0),
+        steps=steps,
+    )
