@@ -14,7 +14,9 @@ from asyncrl.orchestration.evals import Evals
 from asyncrl.orchestration.feeder import Feeder, FeederError
 from asyncrl.orchestration.inference_worker import InferenceWorker
 from asyncrl.orchestration.trainer_worker import TrainerWorker
-from asyncrl.train.collect import RolloutTimeout, collect_rollouts
+from asyncrl.orchestration.collect import RolloutTimeout, collect_rollouts
+from asyncrl.orchestration.messages import GroupConsumed, WeightSync
+from asyncrl.orchestration.staleness import Staleness
 from asyncrl.weightsync.config import WeightSyncConfig
 
 
@@ -79,7 +81,8 @@ def wait_until(pred, timeout=5.0):
 
 def make_feeder(P=4, max_lag=1, maxsize=1000, **kw):
     q = FakeQueue(maxsize)
-    f = Feeder(sample_stream, q.put, prompts_per_step=P, max_lag=max_lag, group_size=2, poll_s=0.001, **kw)
+    f = Feeder(sample_stream, q.put, prompts_per_step=P, staleness=Staleness(max_lag), group_size=2, poll_s=0.001,
+               **kw)
     return f, q
 
 
@@ -131,7 +134,7 @@ def test_remote_ranks_credit_through_the_drain():
     f.set_synced(0)
     f.start()
     assert wait_until(lambda: q.qsize() == 2)
-    reports.append((1, "lag"))  # rank 1 dropped the group of position 1
+    reports.append(GroupConsumed(1, "lag", 1))  # rank 1 dropped the group of position 1
     assert wait_until(lambda: q.qsize() == 3)  # the feeder drains while it waits, and replaces it
     assert released(q) == [0, 1, 2]
     assert f.state() == {"position": 3, "dropped": 1, "in_flight": [0, 2]}
@@ -144,21 +147,22 @@ def test_feeder_error_surfaces_with_its_traceback_instead_of_a_timeout():
         raise KeyError("dataset row 1 has no 'question' field")
 
     q = FakeQueue()
-    f = Feeder(broken, q.put, prompts_per_step=4, max_lag=0, group_size=1, poll_s=0.001)
+    f = Feeder(broken, q.put, prompts_per_step=4, staleness=Staleness(0), group_size=1, poll_s=0.001)
     f.set_synced(0)
     f.start()
     rq = FakeQueue()
     t0 = time.time()
     with pytest.raises(FeederError, match=r"(?s)no 'question' field.*Traceback.*in broken"):
-        collect_rollouts(rq.poll, 4, 0, 0, timeout_s=60, check=f.check, poll_s=0.05)
+        collect_rollouts(rq.poll, 4, 0, Staleness(0), timeout_s=60, check=f.check, poll_s=0.05)
     assert time.time() - t0 < 10  # not the 60 s rollout timeout
     with pytest.raises(RolloutTimeout):  # without a feeder error the timeout is still there
-        collect_rollouts(rq.poll, 1, 0, 0, timeout_s=0.1, poll_s=0.02)
+        collect_rollouts(rq.poll, 1, 0, Staleness(0), timeout_s=0.1, poll_s=0.02)
 
 
 def test_feeder_put_gives_up_with_a_message():
     q = FakeQueue(maxsize=1)
-    f = Feeder(sample_stream, q.put, prompts_per_step=4, max_lag=0, group_size=1, poll_s=0.001, timeout_s=1.5)
+    f = Feeder(sample_stream, q.put, prompts_per_step=4, staleness=Staleness(0), group_size=1, poll_s=0.001,
+               timeout_s=1.5)
     f.set_synced(0)
     f.start()
     assert wait_until(lambda: f.error is not None, timeout=10)
@@ -176,7 +180,7 @@ class Sim:
                  replicas=1, pooled=True, oversample=False):
         self.P, self.max_lag, self.rewards, self.zv = P, max_lag, rewards, drop_zero_variance
         self.prompts, self.rollouts = FakeQueue(5 * P), FakeQueue(10 * P)
-        self.feeder = Feeder(sample_stream, self.prompts.put, prompts_per_step=P, max_lag=max_lag, group_size=2,
+        self.feeder = Feeder(sample_stream, self.prompts.put, prompts_per_step=P, staleness=Staleness(max_lag), group_size=2,
                              poll_s=0.001, oversample=oversample)
         if state:
             self.feeder.restore(state)
@@ -204,7 +208,7 @@ class Sim:
         for _ in range(self.replicas):
             threading.Thread(target=self._inference, daemon=True).start()
         pool = [] if self.pooled else None
-        urgent = (lambda: self.feeder.urgent(self.version)) if self.pooled else None
+        urgent = self.feeder.urgent if self.pooled else None
         self.feeder.set_synced(self.version)
         self.feeder.start()
         metrics = []
@@ -216,7 +220,7 @@ class Sim:
                     if r.prompt.id != f"s{r.prompt.position}":
                         self.wrong_sample.append(r.prompt.position)
                     (self.dropped.append((step, r.prompt.position, reason)) if reason else None)
-                kept, m = collect_rollouts(self.rollouts.poll, self.P, self.version, self.max_lag, self.zv,
+                kept, m = collect_rollouts(self.rollouts.poll, self.P, self.version, Staleness(self.max_lag), self.zv,
                                            timeout_s=5, on_consumed=on, check=self.feeder.check, poll_s=0.05,
                                            pool=pool, urgent=urgent)
                 self.taken += [(step, r.prompt.position) for r in kept]
@@ -411,9 +415,6 @@ class FakeEngine:
 def _gate_worker(monkeypatch, engines, park_timeout_s, on_transfer=lambda: None):
     """An InferenceWorker over fake replicas, its monitor fed by an in-process queue; each sync's transfer calls
     `on_transfer` and lands a fresh Leaf (`landed` counts them)."""
-    import asyncrl.orchestration.inference_worker as iw
-
-    monkeypatch.setattr(iw, "place_params", lambda p, sh: p)
     cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=park_timeout_s),
                           eval=SimpleNamespace(num_prompts=4))
     signals = FakeQueue(0)
@@ -422,7 +423,7 @@ def _gate_worker(monkeypatch, engines, park_timeout_s, on_transfer=lambda: None)
     landed = []
 
     class Transfer:
-        def transfer(self, params, shapes):
+        def transfer(self, params, shapes, version=None):
             on_transfer()
             landed.append(time.perf_counter())
             return {"w": Leaf(len(landed))}, {}
@@ -456,7 +457,7 @@ def test_sync_gate_parks_every_replica_within_one_chunk(monkeypatch):
     for t in threads:
         t.start()
     for v in (1, 2, 3):
-        signals.put({"version": v})
+        signals.put(WeightSync(v))
         assert wait_until(lambda v=v: all(e.version == v for e in engines)), [e.version for e in engines]
     w.stop.set()
     assert not w.errors, w.errors
@@ -472,7 +473,7 @@ def test_sync_gate_names_the_park_timeout():
     qs = {"weight_sync": FakeQueue(2)}
     w = InferenceWorker(cfg, 3, "/tmp", qs)
     w.replicas = SimpleNamespace(engines=[FakeEngine("wedged", 0)])  # never calls the hook
-    qs["weight_sync"].put({"version": 1})
+    qs["weight_sync"].put(WeightSync(1))
     w._monitor()
     assert "inference3 monitor waited 0.2s (async.park_timeout_s) for 1 replicas to park for weight sync v1" \
         in str(w.errors[0])
@@ -509,7 +510,7 @@ def test_zero_variance_budget_fills_the_step_instead_of_sampling_forever():
     for r in stream:
         q.put(r)
     seen = []
-    kept, m = collect_rollouts(q.poll, 4, 0, 0, drop_zero_variance=True, timeout_s=1, poll_s=0.05,
+    kept, m = collect_rollouts(q.poll, 4, 0, Staleness(0), drop_zero_variance=True, timeout_s=1, poll_s=0.05,
                                on_consumed=lambda r, reason: seen.append((r.prompt.position, reason)),
                                zero_variance_budget=5)
     # 5 dropped, then zero-variance groups fill the batch next to the one group with variance.
@@ -531,11 +532,12 @@ def test_straggler_wait_is_bounded():
     for p in range(4):
         q.put(group(p, 1, [1, 0]))  # lag 0: fresher groups could still come, so the step may wait
     t0 = time.time()
-    kept, m = collect_rollouts(q.poll, 3, 1, 1, timeout_s=30, poll_s=0.05, pool=(pool := []),
-                               urgent=lambda: {99}, straggler_wait_s=0.3)  # 99 never comes
+    kept, m = collect_rollouts(q.poll, 3, 1, Staleness(1), timeout_s=30, poll_s=0.05, pool=(pool := []),
+                               urgent=lambda v: {99}, straggler_wait_s=0.3)  # 99 never comes
     assert 0.25 < time.time() - t0 < 5
     assert len(kept) == 3 and len(pool) == 1  # the 4th group is carried to the next step
-    kept, m = collect_rollouts(q.poll, 1, 1, 1, timeout_s=30, poll_s=0.05, pool=pool, urgent=lambda: set())
+    kept, m = collect_rollouts(q.poll, 1, 1, Staleness(1), timeout_s=30, poll_s=0.05, pool=pool,
+                               urgent=lambda v: set())
     assert [r.prompt.position for r in kept] == [3] and not pool
 
 
@@ -548,7 +550,7 @@ def _sync_worker(overlap: bool):
         def __init__(self):
             self.releases, self.sent = [], []
 
-        def start(self, tree, on_done):
+        def start(self, tree, on_done, version=None):
             release = threading.Event()
             self.releases.append(release)
             self.sent.append(tree)
@@ -602,7 +604,7 @@ def test_sync_without_overlap_blocks_until_the_weights_landed():
 def test_a_failed_sync_is_raised_on_the_trainer():
     tw, _ = _sync_worker(overlap=True)
 
-    def broken(tree, on_done):
+    def broken(tree, on_done, version=None):
         from asyncrl.weightsync.transfer import PendingSync
 
         def target():
@@ -633,7 +635,7 @@ def test_sync_gate_back_to_back_syncs_do_not_strand_a_parked_replica(monkeypatch
         t.start()
     last = 40
     for v in range(1, last + 1):  # every sync's signal already queued: the monitor re-parks at once
-        signals.put({"version": v})
+        signals.put(WeightSync(v))
     ok = wait_until(lambda: all(e.version == last for e in engines) or w.errors, timeout=20)
     w.stop.set()
     assert not w.errors, w.errors
@@ -671,16 +673,16 @@ def test_a_wedged_weight_sync_names_the_waiting_trainer():
 def test_drop_warnings_are_rate_limited(monkeypatch, caplog):
     import logging
 
-    import asyncrl.train.collect as collect_mod
+    import asyncrl.orchestration.collect as collect_mod
 
     monkeypatch.setattr(collect_mod, "_last_drop_warning", [float("-inf")])
-    with caplog.at_level(logging.WARNING, logger="asyncrl.train.collect"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.orchestration.collect"):
         for step in range(3):  # three steps, each dropping 15 too-stale groups before taking 1 fresh one
             q = FakeQueue()
             for p in range(15):
                 q.put(group(100 * step + p, 0, [0.0, 1.0]))
             q.put(group(100 * step + 99, 5, [0.0, 1.0]))
-            got, m = collect_rollouts(q.poll, 1, 5, 1, timeout_s=5, poll_s=0.01)
+            got, m = collect_rollouts(q.poll, 1, 5, Staleness(1), timeout_s=5, poll_s=0.01)
             assert m["rollout/filtered_lag"] == 15 and len(got) == 1
     said = [r.getMessage() for r in caplog.records if "groups so far" in r.getMessage()]
     assert len(said) == 1 and "dropped 10 groups so far for version 5" in said[0], said

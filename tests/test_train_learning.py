@@ -17,7 +17,8 @@ import pytest
 from asyncrl.rollout import Completion, Prompt, Rollout
 from asyncrl.models import Model, preset
 from asyncrl.train.batch import build_batch
-from asyncrl.train.collect import collect_rollouts
+from asyncrl.orchestration.collect import collect_rollouts
+from asyncrl.orchestration.staleness import Staleness
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.trainer import Trainer
@@ -92,7 +93,7 @@ def test_rl_learns_synthetic_reward(case):
         params = jax.tree.map(np.asarray, trainer.params)
         tokens, logprobs = jax.tree.map(np.asarray, sample(params, jnp.asarray(np.repeat(prompts, GROUP, 0)), sub))
         stream = iter(_rollouts(prompts, tokens, logprobs, trainer.version))
-        groups, host = collect_rollouts(lambda timeout: next(stream), PROMPTS, trainer.version, max_lag=0)
+        groups, host = collect_rollouts(lambda timeout: next(stream), PROMPTS, trainer.version, Staleness(0))
         metrics = trainer.step(build_batch(groups, loss_cfg, train_cfg.pad_to_multiple), host)
         if step == 0:
             # On-policy: trainer and sampler logprobs agree, so every importance ratio is 1 (with several updates,

@@ -163,3 +163,44 @@ def test_a_peer_missing_from_the_sync_is_a_named_timeout_not_a_hang():
             p.kill()
     line = next((ln for ln in out.splitlines() if ln.startswith("ERROR")), out[-2000:])
     assert "weight sync #0" in line and "'weight_sync_0_start'" in line and "within 2s" in line, line
+
+
+MISMATCHED_VERSION = r"""
+import os, sys
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+from asyncrl.weightsync.transfer import HopChainTransfer, enable_cpu_transfers
+enable_cpu_transfers()
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+hc = HopChainTransfer(1, timeout_s=2)
+shapes = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+try:
+    if rank == 0:  # the trainer sends version 3; the receiver was told of version 4
+        hc.transfer({"w": jax.device_put(jnp.ones(4), hc.shardings[0])}, version=3)
+    else:
+        hc.transfer(None, shapes, version=4)
+    print("RECEIVED", flush=True)
+except TimeoutError as e:
+    print("ERROR", e, flush=True)
+os._exit(0)
+"""
+
+
+def test_weights_are_matched_to_their_announced_version_not_to_their_order():
+    """Each side's barriers carry the version it was told of: a receiver expecting v4 never takes v3's weights, and
+    both sides time out naming the version they waited for."""
+    port = _port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.path.dirname(HERE)
+    procs = [subprocess.Popen([sys.executable, "-c", MISMATCHED_VERSION, str(r), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    lines = [next((ln for ln in out.splitlines() if ln.startswith(("ERROR", "RECEIVED"))), out[-2000:]) for out in outs]
+    assert "weight sync v3" in lines[0] and "'weight_sync_v3_start'" in lines[0], lines[0]
+    assert "weight sync v4" in lines[1] and "'weight_sync_v4_start'" in lines[1], lines[1]

@@ -36,6 +36,21 @@ from asyncrl.rollout import Completion, Prompt, Rollout
 log = logging.getLogger(__name__)
 
 
+def place_params(params: Any, shardings: Any) -> Any:
+    """Put params on a replica's layout. Where a leaf already holds a full copy on each target device (what the
+    weight-sync hop chain delivers), the replica's array is a zero-copy view of those buffers."""
+
+    def one(x: jax.Array, sh: NamedSharding) -> jax.Array:
+        if isinstance(x, jax.Array) and all(e is None for e in sh.spec):
+            by_dev = {s.device: s.data for s in x.addressable_shards if s.data.shape == x.shape}
+            targets = list(sh.mesh.devices.flat)
+            if all(d in by_dev for d in targets):
+                return jax.make_array_from_single_device_arrays(x.shape, sh, [by_dev[d] for d in targets])
+        return jax.device_put(x, sh)
+
+    return jax.tree.map(one, params, shardings)
+
+
 @dataclass
 class Request:
     """Work for the engine: `prompt.n` samples of these token ids. The `Prompt` rides along into the Rollout, and
@@ -87,7 +102,7 @@ class Engine(DecodePrograms):
                          substitute=substitute)
         self.name = name
         self._lock = threading.Lock()
-        self.params = self._prepare(params)
+        self.params = self._prepare(self._place(params))
         self.version = version
         self.between_loops: Callable[[], None] = lambda: None
         self.stats = EngineStats()
@@ -100,10 +115,17 @@ class Engine(DecodePrograms):
     # ---- params ---------------------------------------------------------------------------------------------
 
     def set_params(self, params: Any, version: int) -> None:
-        """Swap weights; rows in flight continue with the new ones (their versions record the boundary)."""
-        params = self._prepare(params)
+        """Swap weights, given in any placement (the hop chain's delivery: a zero-copy view of it where it already
+        sits on this replica's devices); rows in flight continue with the new ones (their versions record the
+        boundary)."""
+        params = self._prepare(self._place(params))
         with self._lock:
             self.params, self.version = params, version
+
+    def _place(self, params: Any) -> Any:
+        if params is None or self.mesh is None:
+            return params
+        return place_params(params, self.model.param_shardings(self.mesh))
 
     def _prepare(self, params: Any) -> Any:
         """The weights as this replica decodes with them, made once per weight sync. On the CPU:

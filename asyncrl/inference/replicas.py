@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
@@ -39,25 +39,6 @@ def spmd_mesh(devices: Sequence[Any], tp: int) -> Mesh:
     if devs.size % tp != 0:
         raise ValueError(f"inference.tp={tp} does not divide the {devs.size} local devices")
     return Mesh(devs.reshape(-1, tp), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Explicit))
-
-
-def place_params(params: Any, shardings: Any) -> Any:
-    """Put params on a replica's layout. Where a leaf already holds a full copy on each target device (what the
-    weight-sync hop chain delivers), the replica's array is a zero-copy view of those buffers."""
-
-    def one(x: jax.Array, sh: NamedSharding) -> jax.Array:
-        if isinstance(x, jax.Array) and all(e is None for e in sh.spec):
-            by_dev = {s.device: s.data for s in x.addressable_shards if s.data.shape == x.shape}
-            targets = list(sh.mesh.devices.flat)
-            if all(d in by_dev for d in targets):
-                return jax.make_array_from_single_device_arrays(x.shape, sh, [by_dev[d] for d in targets])
-        return jax.device_put(x, sh)
-
-    return jax.tree.map(one, params, shardings)
-
-
-def _place(params: Any, model: Model, mesh: Mesh) -> Any:
-    return None if params is None else place_params(params, model.param_shardings(mesh))
 
 
 class ReplicaSet:
@@ -89,12 +70,12 @@ class ReplicaSet:
             if cfg.max_decode_batch_size % dp != 0:
                 raise ValueError(f"inference.max_decode_batch_size={cfg.max_decode_batch_size} must divide over dp={dp}")
             m = model.with_rules(tensor_parallel_rules("tp", data_axis="dp"))
-            self.engines.append(Engine(m, _place(params, m, mesh), cfg, tokenizer, eos_id=eos_id,
+            self.engines.append(Engine(m, params, cfg, tokenizer, eos_id=eos_id,
                                        mesh=mesh, seed=seed, version=version, name=f"{name}/spmd", substitute=substitute))
         else:
             for i, mesh in enumerate(replica_meshes(devices, cfg.tp)):
                 m = model.with_rules(tensor_parallel_rules("tp"))
-                self.engines.append(Engine(m, _place(params, m, mesh), cfg, tokenizer,
+                self.engines.append(Engine(m, params, cfg, tokenizer,
                                            eos_id=eos_id, mesh=mesh, seed=seed, version=version,
                                            name=f"{name}/r{i}"))
 
@@ -103,7 +84,7 @@ class ReplicaSet:
 
     def set_params(self, params: Any, version: int) -> None:
         for e in self.engines:
-            e.set_params(place_params(params, e.model.param_shardings(e.mesh)), version)
+            e.set_params(params, version)
 
     def generate(self, requests: Sequence[Request], on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
         """Sample every request; rollouts come back in request order."""

@@ -1,12 +1,6 @@
-"""The prompt feeder (trainer rank 0): releases train prompts under the exact `max_lag` gate, and keeps the
-account of every data position it released, so a checkpoint can say which prompts were still in flight.
-
-The gate. Step s (1-based) trains on weights of version s - 1 and accepts a group whose oldest token was sampled
-at version >= s - 1 - max_lag. A prompt released once inference holds version v is sampled at >= v, so the
-prompts of step s may be released as soon as v >= s - 1 - max_lag, and not earlier: at most
-P * (v + max_lag + 1) positions, plus one more for every group dropped so far (a dropped group's step still needs
-a replacement). No step of slack: a prompt released earlier would come back too stale and be dropped, wasting
-its decode.
+"""The prompt feeder (trainer rank 0): releases train prompts under the exact staleness gate
+(`staleness.py`), and keeps the account of every data position it released, so a checkpoint can say which
+prompts were still in flight.
 
 Credit. Every trainer host tells the feeder about each group it consumes (trained or dropped) as soon as it sees
 it, through `consumed(position, reason)` on rank 0 and a queue from the other ranks. A drop frees a position
@@ -37,6 +31,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from asyncrl.orchestration.messages import GroupConsumed
+from asyncrl.orchestration.staleness import Staleness
 from asyncrl.rollout import Prompt
 
 log = logging.getLogger(__name__)
@@ -48,11 +44,11 @@ class FeederError(RuntimeError):
 
 class Feeder:
     def __init__(self, samples: Callable[[], Iterator[Any]], put: Callable[[Prompt, float], None], *,
-                 prompts_per_step: int, max_lag: int, group_size: int, oversample: bool = False,
-                 drain_remote: Callable[[], list[tuple[int, bool]]] | None = None, poll_s: float = 0.02,
+                 prompts_per_step: int, staleness: Staleness, group_size: int, oversample: bool = False,
+                 drain_remote: Callable[[], list[GroupConsumed]] | None = None, poll_s: float = 0.02,
                  timeout_s: float = 300.0, who: str = "trainer0"):
         self._samples, self._put, self._drain_remote = samples, put, drain_remote
-        self.P, self.max_lag, self.n, self.poll_s = prompts_per_step, max_lag, group_size, poll_s
+        self.P, self.staleness, self.n, self.poll_s = prompts_per_step, staleness, group_size, poll_s
         self.timeout_s, self.who = timeout_s, who
         self.lock = threading.Lock()
         self.position = 0  # next new data position
@@ -70,8 +66,8 @@ class Feeder:
     # ---- accounting ----------------------------------------------------------------------------------------
 
     def allowed(self) -> int:
-        """New positions below this may be released now (see the module docstring)."""
-        return self.P * (self.synced_version + self.max_lag + 1) + self.dropped + self.oversample_for(self.P)
+        """New positions below this may be released now (`Staleness.release_limit`)."""
+        return self.staleness.release_limit(self.P, self.synced_version, self.dropped, self.oversample_for(self.P))
 
     def oversample_for(self, n: int) -> int:
         if not self.oversample:
@@ -96,14 +92,13 @@ class Feeder:
     def drain_remote(self) -> None:
         """Apply what the other trainer hosts reported (rank 0 calls it before it checkpoints)."""
         if self._drain_remote is not None:
-            for position, reason in self._drain_remote():
-                self.consumed(position, reason)
+            for m in self._drain_remote():
+                self.consumed(m.position, m.reason)
 
     def urgent(self, version: int) -> set[int]:
-        """In-flight positions that a step training on `version` must wait for: released at version
-        <= version - max_lag, so they may be exactly max_lag stale now and too stale for the next step."""
+        """In-flight positions that a step training on `version` must wait for (`Staleness.urgent`)."""
         with self.lock:
-            return {p for p, r in self.released_at.items() if r <= version - self.max_lag}
+            return self.staleness.urgent(self.released_at, version)
 
     def set_synced(self, version: int) -> None:
         with self.lock:

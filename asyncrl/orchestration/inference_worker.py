@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from asyncrl.inference.engine import Engine, Request
-from asyncrl.inference.replicas import ReplicaSet, place_params
+from asyncrl.inference.replicas import ReplicaSet
 from asyncrl.orchestration import faults
+from asyncrl.orchestration.messages import InferenceReport, WeightSync
 from asyncrl.orchestration.queues import QueueTimeout
 from asyncrl.rollout import Rollout
 from asyncrl.sharding.roles import split_roles
@@ -80,7 +81,7 @@ class InferenceWorker:
     def _monitor(self) -> None:
         try:
             while not self.stop.is_set():
-                msg = self.q["weight_sync"].poll(0.5)
+                msg: WeightSync | None = self.q["weight_sync"].poll(0.5)
                 if msg is None:
                     continue
                 t0 = time.perf_counter()
@@ -91,15 +92,15 @@ class InferenceWorker:
                     ok = self.gate.cond.wait_for(lambda: self.gate.parked >= n, timeout=park)
                 if not ok:
                     raise TimeoutError(f"inference{self.rank} monitor waited {park:g}s (async.park_timeout_s) for "
-                                       f"{n} replicas to park for weight sync v{msg['version']} (got {self.gate.parked})")
+                                       f"{n} replicas to park for weight sync v{msg.version} (got {self.gate.parked})")
                 parked_s = time.perf_counter() - t0
-                faults.point("weight_sync", self.rank, int(msg["version"]), self.run_dir)
+                faults.point("weight_sync", self.rank, msg.version, self.run_dir)
                 with self.gate.lock:
                     if self.gate.params is not None:  # free the old weights before the new ones land
                         jax.tree.map(lambda x: x.delete(), self.gate.params)
                         self.gate.params = None
-                    new, _ = self.transfer.transfer(None, self.shapes)
-                    self.gate.params, self.gate.version = new, int(msg["version"])
+                    new, _ = self.transfer.transfer(None, self.shapes, version=msg.version)
+                    self.gate.params, self.gate.version = new, msg.version
                 self.gate.release()
                 self.sync_stats = {"park_s": parked_s, "sync_s": time.perf_counter() - t0}
                 log.debug("weights v%d received in %.2fs (replicas parked in %.2fs)", self.gate.version,
@@ -124,8 +125,7 @@ class InferenceWorker:
                     self.gate.cond.wait(0.1)  # a slice: a stop set elsewhere notifies no one
         with self.gate.lock:
             if self.gate.params is not None and engine.version != self.gate.version:
-                engine.set_params(place_params(self.gate.params, engine.model.param_shardings(engine.mesh)),
-                                  self.gate.version)
+                engine.set_params(self.gate.params, self.gate.version)
 
     # ---- scoring and shipping -------------------------------------------------------------------------------
 
@@ -212,9 +212,9 @@ class InferenceWorker:
 
     def _report(self, engine: Engine) -> None:
         s = engine.stats
-        m = {"decode_tokens_per_s": s.generated_tokens / max(s.decode_time, 1e-9), "finished": float(s.finished),
-             "decode_steps": float(s.decode_steps), "version": float(engine.version), "in_flight": float(engine.in_flight),
-             "prefill_s": s.prefill_time, **{f"weight_sync_{k}": v for k, v in self.sync_stats.items()}}
+        m = InferenceReport(engine.name, s.generated_tokens / max(s.decode_time, 1e-9), float(s.finished),
+                            float(s.decode_steps), float(engine.version), float(engine.in_flight), s.prefill_time,
+                            {f"weight_sync_{k}": v for k, v in self.sync_stats.items()})
         try:
             self.q["inference_metrics"].put(m, timeout=1.0)
         except TimeoutError:

@@ -9,15 +9,17 @@ import os
 import time
 from typing import Any
 
+from asyncrl.orchestration.messages import InferenceReport
 from asyncrl.orchestration.progress import Progress
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def inference_means(rows: list[dict[str, Any]]) -> dict[str, float]:
+def inference_means(reports: list[InferenceReport]) -> dict[str, float]:
     """The inference hosts' reports since the last step -> `inference/<key>`: the mean of each key (the max of
     `*_max` keys)."""
+    rows = [r.metrics() for r in reports]
     out: dict[str, float] = {}
     for key in rows[0] if rows else ():
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]

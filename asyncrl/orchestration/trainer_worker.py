@@ -1,14 +1,14 @@
 """The trainer role (the blog's AsyncTrainWorker): the loop that joins the jobs of a trainer host. Each job lives
 in its own module: building the trainer and resuming (`trainer_setup.py`, `checkpoint.py`), feeding prompts
-(`feeder.py`), evals (`evals.py`), collecting a step's groups (`train/collect.py`), logging them
-(`rollout_log.py`), metrics (`metrics.py`) and the final Hugging Face export (`export.py`). Here: collect, train,
-sync, publish, checkpoint.
+(`feeder.py`), evals (`evals.py`), collecting a step's groups (`collect.py`), logging them (`rollout_log.py`),
+metrics (`metrics.py`) and the final Hugging Face export (`export.py`). Here: collect, train, sync, publish,
+checkpoint.
 
-Staleness is controlled at both ends. The feeder (rank 0, `feeder.py`) releases the prompts of step s only once
-the inference hosts hold version s - 1 - max_lag, so inference never runs further ahead than max_lag allows; the
-collector drops any group older than max_lag anyway, and credits every drop to the feeder at once. With
-max_lag=0 this is exactly on-policy and deterministic (samples are seeded per prompt position), which is what
-makes resume-equals-uninterrupted testable; at any max_lag a resume regenerates the prompts that were in flight.
+Staleness is controlled at both ends by one rule (`staleness.py`): the feeder (rank 0) releases the prompts of a
+step only once inference holds weights recent enough, and the collector drops any group too stale anyway, and
+credits every drop to the feeder at once. With max_lag=0 this is exactly on-policy and deterministic (samples are
+seeded per prompt position), which is what makes resume-equals-uninterrupted testable; at any max_lag a resume
+regenerates the prompts that were in flight.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ import numpy as np
 from asyncrl.orchestration import faults
 from asyncrl.orchestration.evals import Evals
 from asyncrl.orchestration.export import export_hf
+from asyncrl.orchestration.collect import collect_rollouts
 from asyncrl.orchestration.feeder import Feeder
+from asyncrl.orchestration.messages import GroupConsumed, WeightSync
 from asyncrl.orchestration.metrics import RayGauges, inference_means
 from asyncrl.orchestration.rollout_log import drop_record, log_rollouts, rollouts_path
+from asyncrl.orchestration.staleness import Staleness
 from asyncrl.orchestration.trainer_setup import build_trainer
 from asyncrl.tasks import build_task
 
@@ -42,6 +45,7 @@ class TrainerWorker:
         self.tw = cfg.async_.train_workers
         self.inference_hosts = jax.process_count() - self.tw
         self.P = cfg.prompts_per_step
+        self.staleness = Staleness(cfg.async_.max_lag)
         self.stop = threading.Event()
         self.feeder: Feeder | None = None
         self.evals: Evals | None = None
@@ -77,11 +81,12 @@ class TrainerWorker:
         params = self.trainer.params_for_inference(self.infer_dtype)
         if self.rank == 0:
             for _ in range(self.inference_hosts):
-                self.q["weight_sync"].put({"version": self.trainer.version})
+                self.q["weight_sync"].put(WeightSync(self.trainer.version))
         faults.point("weight_sync", self.rank, self.trainer.step_count, self.run_dir)
         version, feeder = self.trainer.version, self.feeder
         # The feeder gates on the version inference holds, not the trainer's own: credited when the chain is done.
-        self._sync = self.transfer.start(params, (lambda: feeder.set_synced(version)) if feeder is not None else None)
+        self._sync = self.transfer.start(params, (lambda: feeder.set_synced(version)) if feeder is not None else None,
+                                         version=version)
         del params
         if wait or not self.cfg.weightsync.overlap:
             self._await_sync()
@@ -104,7 +109,7 @@ class TrainerWorker:
         task = build_task(cfg.task)
         remote = self.q["consumed"].drain if self.tw > 1 else None
         self.feeder = Feeder(lambda: task.samples("train", cfg.task.seed), lambda item, to: self.q["prompt"].put(item, to),
-                             prompts_per_step=self.P, max_lag=cfg.async_.max_lag, group_size=cfg.inference.group_size,
+                             prompts_per_step=self.P, staleness=self.staleness, group_size=cfg.inference.group_size,
                              oversample=cfg.loss.filter_zero_variance,
                              drain_remote=remote, timeout_s=t, who=f"trainer{self.rank}")
         if self._resume_meta:
@@ -123,7 +128,7 @@ class TrainerWorker:
             if self.feeder is not None:
                 self.feeder.consumed(position, reason)
             else:
-                self.q["consumed"].put((position, reason))
+                self.q["consumed"].put(GroupConsumed(position, reason, self.rank))
         return on
 
     def _check(self) -> None:
@@ -134,7 +139,6 @@ class TrainerWorker:
 
     def run(self) -> dict[str, Any]:
         from asyncrl.train.batch import build_batch
-        from asyncrl.train.collect import collect_rollouts
 
         self._build()
         cfg, tr = self.cfg, self.trainer
@@ -152,7 +156,7 @@ class TrainerWorker:
         # host. With several, each host's share arrives on a shared queue, so hosts take what reaches them.
         urgent = None
         if cfg.async_.straggler_wait_s > 0 and self.feeder is not None and self.tw == 1:
-            urgent = lambda: self.feeder.urgent(tr.version)  # noqa: E731
+            urgent = self.feeder.urgent
         try:
             while tr.step_count < total:
                 step = tr.step_count + 1
@@ -160,7 +164,7 @@ class TrainerWorker:
                 t0 = time.perf_counter()
                 drops: list[dict[str, Any]] = []
                 rollouts, host_m = collect_rollouts(
-                    lambda t: self.q["rollout"].poll(t), self.P // self.tw, tr.version, cfg.async_.max_lag,
+                    lambda t: self.q["rollout"].poll(t), self.P // self.tw, tr.version, self.staleness,
                     cfg.loss.filter_zero_variance, cfg.async_.queue_timeout_s, who=f"trainer{self.rank}",
                     on_consumed=self._on_consumed(step, drops), check=self._check, pool=pool, urgent=urgent,
                     zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),

@@ -149,6 +149,7 @@ class Prepared:
     """One sync, ready to run: its tag, this slot's pieces per bucket (slot 0) and the flat structure."""
 
     index: int
+    tag: str  # names the sync's barriers: every process of one sync must agree on it
     treedef: Any
     shapes: list[jax.ShapeDtypeStruct]
     buckets: list[list[Piece]]
@@ -210,15 +211,18 @@ class HopChainTransfer:
 
     # ---- public ---------------------------------------------------------------------------------------------
 
-    def transfer(self, tree: Any, shapes: Any | None = None) -> tuple[Any, dict[str, float]]:
+    def transfer(self, tree: Any, shapes: Any | None = None, version: int | None = None
+                 ) -> tuple[Any, dict[str, float]]:
         """Trainers pass their params (any sharding on the trainer mesh); the others pass None and `shapes` (a
-        ShapeDtypeStruct tree). Returns (the received tree, or None on the trainers' slot 0, timings)."""
-        return self.run(self.prepare(tree, shapes))
+        ShapeDtypeStruct tree). Returns (the received tree, or None on the trainers' slot 0, timings). `version`
+        (see `prepare`) names the sync."""
+        return self.run(self.prepare(tree, shapes, version))
 
-    def start(self, tree: Any, on_done: Callable[[], None] | None = None) -> PendingSync:
+    def start(self, tree: Any, on_done: Callable[[], None] | None = None, version: int | None = None
+              ) -> PendingSync:
         """A trainer's sync that runs behind its next step: `prepare` here, the chain on a background thread.
         `tree` is the trainer's own inference-dtype copy; it stays alive until the sync is done."""
-        prep = self.prepare(tree)
+        prep = self.prepare(tree, version=version)
 
         def target() -> dict[str, float]:
             _, m = self.run(prep)
@@ -228,8 +232,12 @@ class HopChainTransfer:
 
         return PendingSync(target, f"weight-sync-{prep.index}")
 
-    def prepare(self, tree: Any, shapes: Any | None = None) -> Prepared:
-        """The part of a sync that may launch computations on the trainer mesh. Call it on the train-step thread."""
+    def prepare(self, tree: Any, shapes: Any | None = None, version: int | None = None) -> Prepared:
+        """The part of a sync that may launch computations on the trainer mesh. Call it on the train-step thread.
+
+        `version`: the weight version this sync carries. Its barriers are named after it, so the sender and every
+        receiver must name the same version (a mismatch times out, naming both); without it, syncs are told
+        apart by their order on this object."""
         t0 = time.perf_counter()
         if shapes is None:
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
@@ -243,12 +251,14 @@ class HopChainTransfer:
                       for b in buckets]
         index = self.transfers
         self.transfers += 1
-        return Prepared(index, treedef, flat, buckets, pieces, t0, time.perf_counter() - t0)
+        tag = f"weight_sync_{index}" if version is None else f"weight_sync_v{version}"
+        return Prepared(index, tag, treedef, flat, buckets, pieces, t0, time.perf_counter() - t0)
 
     def run(self, prep: Prepared) -> tuple[Any, dict[str, float]]:
         """The collective chain: start barrier, the wavefront of hops, end barrier. Any thread."""
-        tag = f"weight_sync_{prep.index}"
-        what = f"weight sync #{prep.index}"
+        tag = prep.tag
+        label = tag.removeprefix("weight_sync_")
+        what = f"weight sync {label if label.startswith('v') else '#' + label}"
         t0 = time.perf_counter()
         barrier(tag + "_start", self.timeout_s, what)
         t1 = time.perf_counter()

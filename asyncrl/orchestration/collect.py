@@ -1,16 +1,15 @@
-"""Collecting one step's groups from the rollout queue: the blog's `get_rollouts`, with staleness kept exact.
+"""Collecting one step's groups from the rollout queue: the blog's `get_rollouts`, with staleness kept exact
+(the rule itself: `staleness.py`).
 
-A group is dropped when its oldest token was sampled more than `max_lag` weight versions ago
-(`rollout/filtered_lag`) or, with `drop_zero_variance`, when all its rewards are equal
-(`rollout/filtered_zero_variance`: DAPO's dynamic sampling, such a group has zero advantage everywhere).
+A group is dropped when it is too stale (`Staleness.too_stale`, `rollout/filtered_lag`) or, with
+`drop_zero_variance`, when all its rewards are equal (`rollout/filtered_zero_variance`: DAPO's dynamic sampling,
+such a group has zero advantage everywhere).
 
-Oldest first. Groups finish out of order (continuous batching, several replicas), so a step that takes whatever
-arrives first can take the next step's quick groups and leave its own stragglers to come back one version too
-stale and be dropped, their decode wasted. With a `pool` (groups received but not yet trained, carried from step
-to step) and `urgent()` (positions still in flight that would be too stale for the next step: the prompt
-feeder knows them), a step waits for its urgent groups (up to `async.straggler_wait_s` once it holds enough),
-trains the oldest groups it holds, and carries the rest. Without them it takes arrivals in order, as the blog
-does.
+Oldest first. Groups finish out of order (continuous batching, several replicas). With a `pool` (groups received
+but not yet trained, carried from step to step) and `urgent(version)` (positions still in flight that a later
+step could not train: the prompt feeder knows them), a step waits for its urgent groups (up to
+`async.straggler_wait_s` once it holds enough), trains the oldest groups it holds, and carries the rest. Without
+them it takes arrivals in order, as the blog does.
 
 `get_rollout(timeout)` is any callable that returns a Rollout, or None / raises `queue.Empty` / `TimeoutError`
 when nothing came: a `queue.Queue`, a Ray queue or a test list all work.
@@ -25,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from asyncrl.orchestration.staleness import Staleness
 from asyncrl.rollout import Rollout
 from asyncrl.train.batch import HostMetrics
 
@@ -50,7 +50,7 @@ def collect_rollouts(
     get_rollout: Callable[[float], Rollout | None],
     n_groups: int,
     version: int,
-    max_lag: int,
+    staleness: Staleness,
     drop_zero_variance: bool = False,
     timeout_s: float = 300.0,
     who: str = "trainer",
@@ -59,7 +59,7 @@ def collect_rollouts(
     check: Callable[[], None] | None = None,
     poll_s: float = 1.0,
     pool: list[Rollout] | None = None,
-    urgent: Callable[[], set[int]] | None = None,
+    urgent: Callable[[int], set[int]] | None = None,
     zero_variance_budget: int | None = None,
     straggler_wait_s: float = float("inf"),
 ) -> tuple[list[Rollout], HostMetrics]:
@@ -69,9 +69,9 @@ def collect_rollouts(
     "zero_variance"), at once: the prompt feeder credits a drop before this call returns, so a host short of
     groups gets replacements. `check()` runs between polls of at most `poll_s` seconds and may raise (a dead
     feeder thread's error then surfaces here instead of a generic timeout). The timeout counts from the last
-    group received. `pool` is read and left holding the groups carried to the next step; `urgent()` returns the
-    data positions (`rollout.prompt.position`) to wait for before taking newer groups, for at most `straggler_wait_s`
-    once `n_groups` are held. After `zero_variance_budget`
+    group received. `pool` is read and left holding the groups carried to the next step; `urgent(version)` returns
+    the data positions (`rollout.prompt.position`) to wait for before taking newer groups, for at most
+    `straggler_wait_s` once `n_groups` are held. After `zero_variance_budget`
     zero-variance drops in one call, zero-variance groups are kept as fillers (`rollout/zero_variance_fillers`):
     the loss gives them no weight when it filters them (`loss.filter_zero_variance`), so the step trains on the
     groups with variance it has instead of sampling without end once most prompts are solved."""
@@ -80,7 +80,7 @@ def collect_rollouts(
 
     def admit(rollout: Rollout) -> None:
         reason = None
-        if version - rollout.oldest_version > max_lag:
+        if staleness.too_stale(version, rollout):
             reason = "lag"
         elif drop_zero_variance and is_zero_variance(rollout):
             if zero_variance_budget is None or filtered["zero_variance"] < zero_variance_budget:
@@ -107,8 +107,8 @@ def collect_rollouts(
             return True
         if not full_since:
             full_since.append(time.monotonic())
-        waiting = urgent() - {r.prompt.position for r in held}
-        return (not waiting or sum(version - r.oldest_version == max_lag for r in held) >= n_groups
+        waiting = urgent(version) - {r.prompt.position for r in held}
+        return (not waiting or sum(staleness.last_chance(version, r) for r in held) >= n_groups
                 or time.monotonic() - full_since[0] >= straggler_wait_s)
 
     carried = list(pool or [])
@@ -129,7 +129,7 @@ def collect_rollouts(
         if rollout is None:
             if time.monotonic() < deadline:
                 continue
-            waiting = sorted(urgent() - {r.prompt.position for r in held}) if urgent is not None else []
+            waiting = sorted(urgent(version) - {r.prompt.position for r in held}) if urgent is not None else []
             raise RolloutTimeout(f"{who} waited {timeout_s:.0f}s for a rollout from the inference workers "
                                  f"(has {len(held)}/{n_groups} groups for version {version}, dropped {filtered}"
                                  + (f", waiting for data positions {waiting[:8]}" if waiting else "") + ")")
@@ -143,7 +143,7 @@ def collect_rollouts(
     if on_consumed is not None:
         for r in kept:
             on_consumed(r, None)
-    lags = [version - r.oldest_version for r in kept]
+    lags = [staleness.lag(version, r) for r in kept]
     rewards = np.concatenate([r.rewards for r in kept])
     lengths = np.asarray([len(c.tokens) for r in kept for c in r.completions], np.float32)
     metrics = {

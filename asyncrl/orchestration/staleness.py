@@ -1,0 +1,51 @@
+"""Staleness, both halves in one place: when a prompt may be released (the feeder, `feeder.py`), when a group may
+be trained (the collector, `collect.py`), and what one tells the other. To try another staleness policy, change
+this class; the feeder and the collector only ask it.
+
+Versions. The trainer's params after step s are version s; step s + 1 (1-based) trains on version s. A group's lag
+is the trainer's version minus the oldest version any token of the group was sampled with
+(`Rollout.oldest_version`), and a group is trained only if its lag is at most `max_lag`.
+
+The release gate. A prompt released once the inference hosts hold version v is sampled at >= v, so the prompts of
+step s may go out as soon as v >= s - 1 - max_lag, and not earlier: at most P * (v + max_lag + 1) positions, plus
+one more for every group dropped so far (a dropped group's step still needs a replacement), plus what the feeder
+oversamples. No step of slack: a prompt released earlier would come back too stale and be dropped, its decode
+wasted.
+
+Urgent groups. Groups finish out of order, so a step that takes whatever arrives first can take the next step's
+quick groups and leave its own stragglers to come back too stale. A prompt released at version r is at least
+`version - r` stale when it comes back; once that is max_lag, the step training on `version` is its last chance:
+it is urgent, and the collector waits for it (up to `async.straggler_wait_s`) before taking newer groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from asyncrl.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class Staleness:
+    max_lag: int
+    """`async.max_lag`: the most weight versions a trained token may lag the trainer (0 = on-policy)."""
+
+    def lag(self, version: int, rollout: Rollout) -> int:
+        """How many versions the group's oldest token lags a trainer at `version`."""
+        return version - rollout.oldest_version
+
+    def too_stale(self, version: int, rollout: Rollout) -> bool:
+        """The collector drops such a group ("lag")."""
+        return self.lag(version, rollout) > self.max_lag
+
+    def last_chance(self, version: int, rollout: Rollout) -> bool:
+        """Trainable now, too stale for the next step."""
+        return self.lag(version, rollout) == self.max_lag
+
+    def release_limit(self, prompts_per_step: int, synced_version: int, dropped: int, extra: int = 0) -> int:
+        """Data positions below this may be released while inference holds `synced_version`."""
+        return prompts_per_step * (synced_version + self.max_lag + 1) + dropped + extra
+
+    def urgent(self, released_at: dict[int, int], version: int) -> set[int]:
+        """Of the in-flight positions (-> the synced version when each was released), those a step training on
+        `version` must wait for: they cannot be trained by a later step."""
+        return {p for p, r in released_at.items() if r <= version - self.max_lag}
