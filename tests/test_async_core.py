@@ -518,7 +518,7 @@ def test_zero_variance_budget_fills_the_step_instead_of_sampling_forever():
     assert [r.prompt.position for r in kept] == [5, 6, 7, 8]
     assert seen == [(p, "zero_variance") for p in range(5)] + [(p, None) for p in (5, 6, 7, 8)]
     from asyncrl.train.loss_config import LossConfig
-    from asyncrl.train.losses import keep_sequences
+    from asyncrl.train.advantages import keep_sequences
     import jax.numpy as jnp
 
     rewards = jnp.asarray([c.reward for r in kept for c in r.completions])

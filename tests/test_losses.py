@@ -2,7 +2,7 @@
 
 import dataclasses
 import glob
-import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,18 +10,12 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from asyncrl.train.loss_config import LOSS_FIELDS, LOSS_NAMES, SHARED_FIELDS, LossConfig
-from asyncrl.train.losses import (
-    LOSSES,
-    compute_advantages,
-    finalize_metrics,
-    get_loss,
-    keep_sequences,
-    loss_weights,
-    prepare_loss_inputs,
-    reduce_metrics,
-    register_loss,
-)
+from asyncrl.train.advantages import compute_advantages, keep_sequences, loss_weights, prepare_loss_inputs
+from asyncrl.train.loss_config import LossConfig
+from asyncrl.train.losses import finalize_metrics, reduce_metrics
+from asyncrl.train.registry import LOSSES, SHARED_FIELDS, LossSpec, get_loss, register_loss, validate
+
+LOSS_NAMES = sorted(LOSSES)
 
 B, T, G = 16, 12, 4  # sequences, padded length, group size
 MAX_TOKENS = 20  # dr_grpo's constant normaliser (the generation budget), deliberately not T
@@ -447,11 +441,44 @@ def test_loss_weights_match_numpy(mode, filter_zero_variance):
 
 
 def test_registry():
-    assert set(LOSSES) == set(LOSS_NAMES)
+    assert LOSS_NAMES == ["cispo", "dapo", "dr_grpo", "grpo", "gspo", "gspo_token", "rloo"]
     with pytest.raises(ValueError, match="unknown loss"):
         get_loss("ppo2")
     with pytest.raises(ValueError, match="already registered"):
-        register_loss("grpo")(get_loss("grpo"))
+        register_loss(get_loss("grpo"))
+    for spec in LOSSES.values():  # every entry says everything about its loss
+        assert isinstance(spec, LossSpec) and spec.advantage in ("group_std", "group_mean", "leave_one_out")
+        assert spec.normalization in ("seq_mean", "token_mean", "constant") and spec.source
+        assert set(spec.reads) <= {f.name for f in dataclasses.fields(LossConfig)} - set(SHARED_FIELDS) - {"name"}
+
+
+def test_a_new_loss_is_one_registry_entry():
+    """Registering one LossSpec is all a new loss needs: the config accepts its name, and the advantages, the token
+    normalisation and the loss itself follow its entry."""
+    from asyncrl.train import losses
+
+    spec = LossSpec("test_reinforce", losses.cispo, "leave_one_out", "token_mean", ("epsilon_high",), "a test")
+    register_loss(spec)
+    try:
+        cfg = LossConfig(name="test_reinforce", epsilon_high=1.0)
+        validate(cfg)
+        batch = make_batch()
+        adv, w = prepare_loss_inputs(jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]),
+                                     jnp.asarray(batch["mask"]), cfg)
+        np.testing.assert_allclose(np.asarray(adv), np_advantages(batch["rewards"], batch["group_ids"], "rloo"),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(w), np_weights(batch["mask"], "token_mean"), rtol=1e-6, atol=1e-9)
+        loss, _ = get_loss("test_reinforce")(jnp.asarray(batch["lp"]), jnp.asarray(batch["sampler"]), adv, w,
+                                             jnp.asarray(batch["mask"]), cfg)
+        assert np.isfinite(float(loss))
+    finally:
+        del LOSSES["test_reinforce"]
+
+
+def test_readme_table_lists_exactly_the_registered_losses():
+    readme = open("README.md").read()
+    listed = set(re.findall(r"^\| `loss\.name=(\w+)` \|", readme, flags=re.M))
+    assert listed == set(LOSSES), sorted(listed ^ set(LOSSES))
 
 
 def test_kl_without_reference_raises():
@@ -470,7 +497,7 @@ def test_kl_without_reference_raises():
 )
 def test_config_validation_names_key(field, value):
     with pytest.raises(ValueError, match=rf"loss\.{field}=.*must be"):
-        LossConfig(**{field: value})
+        validate(LossConfig(**{field: value}))  # the name against the registry, the rest on construction
 
 
 def test_config_validation_of_combinations():
@@ -486,8 +513,8 @@ def test_config_validation_of_combinations():
 def test_cispo_refuses_an_epsilon_high_below_one():
     """CISPO's epsilon_high is the cap itself: 0.2 (the PPO default) would cut every token's weight to 0.2."""
     with pytest.raises(ValueError, match=r"loss\.epsilon_high=0\.2 .*cispo.*>= 1.*5x learning-rate cut"):
-        LossConfig(name="cispo", epsilon_high=0.2)
-    assert LossConfig(name="cispo", epsilon_high=1.28).epsilon_high == 1.28
+        validate(LossConfig(name="cispo", epsilon_high=0.2))
+    validate(LossConfig(name="cispo", epsilon_high=1.28))
 
 
 def test_constant_normalisation_needs_the_generation_budget():
@@ -507,11 +534,44 @@ def test_presets_load_and_validate():
         assert set(raw) <= {f.name for f in dataclasses.fields(LossConfig)}, path
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LossConfig), raw))
         assert cfg.name == path.split("/")[-1][:-5]
-        # Each preset states the fields its loss reads, and they are the ones LOSS_FIELDS lists.
+        # Each preset states the fields its loss reads, and they are the ones its registry entry lists.
         reads = [line for line in open(path) if line.startswith("# Reads:")]
         assert len(reads) == 1, path
         stated = {f.strip() for f in reads[0].removeprefix("# Reads:").split("(")[0].split(",")}
-        assert stated == set(LOSS_FIELDS[cfg.name]), (path, stated)
-        assert set(raw) - {"name"} <= set(LOSS_FIELDS[cfg.name]) | set(SHARED_FIELDS), path
+        assert stated == set(LOSSES[cfg.name].reads), (path, stated)
+        assert set(raw) - {"name"} <= set(LOSSES[cfg.name].reads) | set(SHARED_FIELDS), path
     with pytest.raises(ValueError, match=r"loss\.epsilon_high"):
         OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LossConfig), {"epsilon_high": -1.0}))
+
+
+def _gspo_pair_grads(tis_cap):
+    """gspo and gspo_token on one 2 x 3 batch: (values, gradients w.r.t. the trainer's logprobs)."""
+    lp = jnp.asarray([[-1.0, -0.5, -2.0], [-0.3, -1.2, -0.8]])
+    sampler = jnp.asarray([[-1.1, -0.9, -1.5], [-0.3, -1.0, -0.9]])
+    mask = jnp.ones((2, 3), bool)
+    adv = jnp.asarray([1.0, -1.0])
+    out = {}
+    for name in ("gspo", "gspo_token"):
+        cfg = LossConfig(name=name, epsilon_low=0.2, epsilon_high=0.2, tis_cap=tis_cap, max_tokens=3)
+        w = loss_weights(mask, cfg)
+        fn = lambda x, cfg=cfg, w=w: get_loss(cfg.name)(x, sampler, adv, w, mask, cfg)[0]  # noqa: E731
+        out[name] = (float(fn(lp)), np.asarray(jax.grad(fn)(lp)))
+    return out
+
+
+def test_gspo_and_gspo_token_agree_in_value_and_differ_in_gradient_only_under_a_token_level_correction():
+    """Without a token-level correction the two are one loss. With `tis_cap` (token level) each token carries its
+    own factor c_t: gspo spreads the row's corrected objective evenly over its tokens (the gradient flows through
+    the row's mean log ratio: AReaL's sequence-level form); gspo_token gives token t its own c_t (verl's form).
+    Same value, same gradient summed over a row, different split within it."""
+    plain = _gspo_pair_grads(None)
+    assert plain["gspo"][0] == pytest.approx(plain["gspo_token"][0], abs=1e-7)
+    np.testing.assert_allclose(plain["gspo"][1], plain["gspo_token"][1], atol=1e-7)
+    tis = _gspo_pair_grads(1.5)
+    assert tis["gspo"][0] == pytest.approx(tis["gspo_token"][0], abs=1e-7)
+    g, gt = tis["gspo"][1], tis["gspo_token"][1]
+    np.testing.assert_allclose(g.sum(axis=1), gt.sum(axis=1), atol=1e-6)
+    np.testing.assert_allclose(g[0], np.full(3, g[0].mean()), atol=1e-7)  # gspo: one gradient for the row
+    assert np.ptp(gt[0]) > 0.05, gt[0]  # gspo_token: each token its own, truncated where w_t > 1.5
+    np.testing.assert_allclose(g[0], [-0.1780, -0.1780, -0.1780], atol=1e-4)
+    np.testing.assert_allclose(gt[0], [-0.1842, -0.2486, -0.1011], atol=1e-4)

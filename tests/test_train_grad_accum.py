@@ -15,7 +15,8 @@ import pytest
 from asyncrl.models import Model, preset
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
-from asyncrl.train.loss_config import LOSS_NAMES, LossConfig
+from asyncrl.train.loss_config import LossConfig
+from asyncrl.train.registry import LOSSES
 from asyncrl.train.mesh import shard_batch
 from asyncrl.train.step import make_train_step
 from asyncrl.train.trainer import Trainer
@@ -43,7 +44,7 @@ def _step(trainer: Trainer, loss_cfg: LossConfig, grad_accum_steps: int, batch):
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in LOSS_NAMES])
+                                  for n in sorted(LOSSES)])
 def test_four_micro_batches_equal_one_batch(trainer, name):
     loss_cfg = LossConfig(name=name, epsilon_high=1.0 if name == "cispo" else 0.2, max_tokens=64)
     batch = build_batch(make_rollouts(3, 8, 4, preset("tiny").vocab_size), loss_cfg, pad_to_multiple=16)

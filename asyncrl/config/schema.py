@@ -12,6 +12,7 @@ from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConf
 from asyncrl.tasks.config import TaskConfig
 from asyncrl.train.config import ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
+from asyncrl.train.registry import validate as validate_loss
 from asyncrl.weightsync.config import WeightSyncConfig
 
 
@@ -58,6 +59,7 @@ class Config:
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self) -> None:
+        validate_loss(self.loss)
         if self.loss.max_tokens is None:
             # The generation budget is the inference section's; the loss (Dr.GRPO's constant normaliser, DAPO's
             # overlong buffer) reads it from its own section, filled here so that the resolved config shows it.

@@ -4,17 +4,17 @@ Groups and normalisers must not depend on how the batch is split into micro-batc
 is `sum(weights * per_token_objective)`, so with weights normalised over a batch the sum of its micro-batch
 losses (and gradients) equals the batch loss.
 
-| name              | advantage                        | default normalisation: weight of a kept token         |
-|-------------------|----------------------------------|-------------------------------------------------------|
-| grpo, gspo(_token)| (r - mean_g) / (std_g + std_eps) | seq_mean:   1 / (len_i * B)   (mean of sequence means)|
-| dapo              | (r - mean_g) / (std_g + std_eps) | token_mean: 1 / total_tokens                          |
-| dr_grpo           | r - mean_g                       | constant:   1 / (B * max_tokens)  (length-unbiased)   |
-| cispo             | r - mean_g                       | token_mean: 1 / total_tokens                          |
-| rloo              | r - (sum_g - r) / (G - 1)        | seq_mean:   1 / (len_i * B)                           |
+Each loss names its estimator and its default normalisation in its registry entry (`registry.py`):
+
+| estimator     | advantage                        |   | normalisation | weight of a kept token                       |
+|---------------|----------------------------------|---|---------------|----------------------------------------------|
+| group_std     | (r - mean_g) / (std_g + std_eps) |   | seq_mean      | 1 / (len_i * B)   (mean of sequence means)   |
+| group_mean    | r - mean_g                       |   | token_mean    | 1 / total_tokens                             |
+| leave_one_out | r - (sum_g - r) / (G - 1)        |   | constant      | 1 / (B * max_tokens)  (length-unbiased)      |
 
 std_g is the unbiased group std (as `torch.std` in TRL and verl). B counts kept sequences (seq_mean: those with
 at least one loss token). max_tokens is the run's generation budget, a constant: never the batch's padded length,
-which would rescale the gradient with each batch's longest row. `cfg.normalization` overrides the column.
+which would rescale the gradient with each batch's longest row. `cfg.normalization` overrides the default.
 """
 
 from __future__ import annotations
@@ -23,29 +23,15 @@ import jax
 import jax.numpy as jnp
 
 from asyncrl.train.loss_config import LossConfig
+from asyncrl.train.registry import get_loss
 
-ADVANTAGE_ESTIMATORS = {
-    "grpo": "group_std",
-    "dapo": "group_std",
-    "gspo": "group_std",
-    "gspo_token": "group_std",
-    "dr_grpo": "group_mean",
-    "cispo": "group_mean",
-    "rloo": "leave_one_out",
-}
-DEFAULT_NORMALIZATION = {
-    "grpo": "seq_mean",
-    "rloo": "seq_mean",
-    "gspo": "seq_mean",
-    "gspo_token": "seq_mean",
-    "dapo": "token_mean",
-    "cispo": "token_mean",
-    "dr_grpo": "constant",
-}
+ESTIMATORS = ("group_std", "group_mean", "leave_one_out")
+"""The advantage estimators a registry entry (`registry.LossSpec.advantage`) may name."""
 
 
 def normalization(cfg: LossConfig) -> str:
-    return cfg.normalization or DEFAULT_NORMALIZATION[cfg.name]
+    """`loss.normalization`, else the loss's default (its registry entry)."""
+    return cfg.normalization or get_loss(cfg.name).normalization
 
 
 def check_normalizer(cfg: LossConfig) -> None:
@@ -77,11 +63,13 @@ def compute_advantages(rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig
     """Sequence advantages [B] from rewards [B] and group ids [B] (sequences sampled from the same prompt)."""
     rewards = rewards.astype(jnp.float32)
     mean, std, size = group_stats(rewards, group_ids)
-    estimator = ADVANTAGE_ESTIMATORS[cfg.name]
+    estimator = get_loss(cfg.name).advantage
     if estimator == "group_std":
         return (rewards - mean) / (std + cfg.std_eps)
     if estimator == "group_mean":
         return rewards - mean
+    if estimator != "leave_one_out":
+        raise ValueError(f"loss {cfg.name!r} names advantage estimator {estimator!r}; known: {list(ESTIMATORS)}")
     # Leave-one-out: r - mean of the others == G / (G - 1) * (r - mean); a singleton group has no baseline.
     return jnp.where(size > 1, (rewards - mean) * size / jnp.maximum(size - 1.0, 1.0), 0.0)
 

@@ -1,6 +1,7 @@
-"""RL policy-gradient losses as pure array functions.
-
-Every loss has the signature of `LossFn` and is looked up by name (`get_loss(cfg.name)`). Inputs per micro-batch:
+"""RL policy-gradient losses as pure array functions: the per-token objectives and the plumbing they share. Each
+`loss.name` is one entry of the registry (`registry.py`), which pairs an objective here with its advantage
+estimator, default normalisation and config fields; `registry.get_loss(name)` is the loss, with the signature of
+`LossFn`. Inputs per micro-batch:
 `logprobs` [B, T] (trainer, differentiated), `sampler_logprobs` [B, T] (what the inference engine recorded: the
 behaviour policy), `advantages` [B], `weights` [B, T], `mask` [B, T], and optionally `prox_logprobs` [B, T] (the
 proximal policy: the trainer's params before the step's first update) and `ref_logprobs` [B, T] (the reference
@@ -14,8 +15,14 @@ advantage and lp_old the policy the ratio is taken against:
 - gspo (GSPO, Zheng et al. 2025): the PPO clip on the row's length-normalised sequence ratio
   s = exp(mean_t (lp - lp_old)), the same for every token of the row; with seq_mean weights the loss is
   -1/B sum_i min(s_i A_i, clip(s_i) A_i), the paper's objective.
-- gspo_token: GSPO-token's ratio sg(s) * exp(lp - sg(lp)): the value of s, each token's own gradient. With one
-  advantage per row (all we have) it equals gspo in value and gradient, as the paper notes.
+- gspo_token: GSPO-token's ratio sg(s) * exp(lp - sg(lp)): the value of s, each token's own gradient.
+  The two agree in value always, and in gradient when every token of a row carries the same factor c (one
+  advantage per row, as here, and no token-level correction), as the paper notes. With a token-level correction
+  (`loss.tis_cap` or `loss.is_mode=mask` at `is_level=token`) they differ in gradient: gspo spreads the row's
+  corrected objective evenly over its tokens (the gradient flows through s, a mean over the row), which is AReaL's
+  sequence-level form; gspo_token gives each token its own factor c_t (verl's form). Their gradients still sum
+  to the same over a row. On the 2 x 3 batch of tests/test_losses.py with tis_cap=1.5 the row-0 gradients are
+  [-0.178, -0.178, -0.178] (gspo) against [-0.184, -0.249, -0.101] (gspo_token).
 
 lp_old and the correction factor c (decoupled PPO, AReaL; `asyncrl/train/correction.py`):
 - With `prox_logprobs` (the step passes them when `train.updates_per_step > 1`), r = pi / pi_prox.
@@ -40,10 +47,6 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
-from asyncrl.train.advantages import (  # noqa: F401  (re-exported: the batch-level half of every loss)
-    ADVANTAGE_ESTIMATORS, DEFAULT_NORMALIZATION, compute_advantages, group_stats, keep_sequences, loss_weights,
-    prepare_loss_inputs,
-)
 from asyncrl.train.correction import correction_weights
 from asyncrl.train.loss_config import LossConfig
 
@@ -68,27 +71,6 @@ class LossFn(Protocol):
     ) -> tuple[jax.Array, Metrics]: ...
 
 
-LOSSES: dict[str, LossFn] = {}
-
-
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Register a loss under `name` (the value of `loss.name`)."""
-
-    def register(fn: LossFn) -> LossFn:
-        if name in LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = fn
-        return fn
-
-    return register
-
-
-def get_loss(name: str) -> LossFn:
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; registered: {sorted(LOSSES)}")
-    return LOSSES[name]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Per micro-batch: the losses.
 
@@ -98,7 +80,7 @@ def _masked_diff(a: jax.Array, b: jax.Array, m: jax.Array) -> jax.Array:
     return jnp.where(m, a - b, 0.0)
 
 
-def _objective(
+def objective(
     per_token: PerToken,
     logprobs: jax.Array,
     sampler_logprobs: jax.Array,
@@ -109,7 +91,8 @@ def _objective(
     ref_logprobs: jax.Array | None,
     prox_logprobs: jax.Array | None,
 ) -> tuple[jax.Array, Metrics]:
-    """Shared ratio / correction / KL / metrics plumbing around one loss's `per_token` objective."""
+    """One loss: the shared ratio / correction / KL / metrics plumbing around its `per_token` objective (the
+    registry's entries call it, `registry.LossSpec.__call__`)."""
     sg = jax.lax.stop_gradient
     m = mask.astype(bool)  # [B, T]
     mf = m.astype(jnp.float32)
@@ -165,7 +148,7 @@ def _clip(ratio: jax.Array, adv: jax.Array, cfg: LossConfig) -> tuple[jax.Array,
     return objective, clipped
 
 
-def _ppo_clip(cfg: LossConfig) -> PerToken:
+def ppo_clip(cfg: LossConfig) -> PerToken:
     def per_token(log_ratio: jax.Array, adv: jax.Array, lp: jax.Array, mf: jax.Array):
         ratio = jnp.exp(log_ratio)
         return *_clip(ratio, adv, cfg), ratio
@@ -178,7 +161,7 @@ def _sequence_log_ratio(log_ratio: jax.Array, mf: jax.Array) -> jax.Array:
     return jnp.sum(log_ratio, axis=1, keepdims=True) / jnp.maximum(jnp.sum(mf, axis=1, keepdims=True), 1.0)
 
 
-def _gspo(cfg: LossConfig) -> PerToken:
+def gspo(cfg: LossConfig) -> PerToken:
     def per_token(log_ratio: jax.Array, adv: jax.Array, lp: jax.Array, mf: jax.Array):
         s = jnp.exp(_sequence_log_ratio(log_ratio, mf))  # [B, 1]
         objective, clipped = _clip(s, adv, cfg)
@@ -188,7 +171,7 @@ def _gspo(cfg: LossConfig) -> PerToken:
     return per_token
 
 
-def _gspo_token(cfg: LossConfig) -> PerToken:
+def gspo_token(cfg: LossConfig) -> PerToken:
     def per_token(log_ratio: jax.Array, adv: jax.Array, lp: jax.Array, mf: jax.Array):
         sg = jax.lax.stop_gradient
         s = sg(jnp.exp(_sequence_log_ratio(log_ratio, mf)))  # [B, 1]
@@ -198,45 +181,13 @@ def _gspo_token(cfg: LossConfig) -> PerToken:
     return per_token
 
 
-def _cispo(cfg: LossConfig) -> PerToken:
+def cispo(cfg: LossConfig) -> PerToken:
     def per_token(log_ratio: jax.Array, adv: jax.Array, lp: jax.Array, mf: jax.Array):
         ratio = jnp.exp(log_ratio)
         capped = jax.lax.stop_gradient(jnp.minimum(ratio, cfg.epsilon_high))
         return -capped * adv * lp, ratio > cfg.epsilon_high, ratio
 
     return per_token
-
-
-def _make_loss(per_token_for: Callable[[LossConfig], PerToken], doc: str) -> LossFn:
-    def loss_fn(
-        logprobs: jax.Array,
-        sampler_logprobs: jax.Array,
-        advantages: jax.Array,
-        weights: jax.Array,
-        mask: jax.Array,
-        cfg: LossConfig,
-        ref_logprobs: jax.Array | None = None,
-        *,
-        prox_logprobs: jax.Array | None = None,
-    ) -> tuple[jax.Array, Metrics]:
-        return _objective(per_token_for(cfg), logprobs, sampler_logprobs, advantages, weights, mask, cfg,
-                          ref_logprobs, prox_logprobs)
-
-    loss_fn.__doc__ = doc
-    return loss_fn
-
-
-ppo_clip_loss = _make_loss(_ppo_clip, "PPO clipped surrogate; grpo, dapo, dr_grpo and rloo differ only in "
-                                      "advantages, weights and epsilons.")
-cispo_loss = _make_loss(_cispo, "CISPO: REINFORCE with the importance weight capped at epsilon_high and detached.")
-gspo_loss = _make_loss(_gspo, "GSPO: the PPO clip on the length-normalised sequence ratio.")
-gspo_token_loss = _make_loss(_gspo_token, "GSPO-token: the sequence ratio's value with each token's own gradient.")
-
-for _name in ("grpo", "dapo", "dr_grpo", "rloo"):
-    register_loss(_name)(ppo_clip_loss)
-register_loss("cispo")(cispo_loss)
-register_loss("gspo")(gspo_loss)
-register_loss("gspo_token")(gspo_token_loss)
 
 
 # ---------------------------------------------------------------------------------------------------------------

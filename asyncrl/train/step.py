@@ -37,7 +37,8 @@ from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weig
 from asyncrl.train.batch import RLBatch
 from asyncrl.ops.logprobs import fused_logprobs_and_entropy, scale_for_temperature
 from asyncrl.train.loss_config import LossConfig
-from asyncrl.train.losses import Metrics, finalize_metrics, get_loss, metric_reduction
+from asyncrl.train.losses import Metrics, finalize_metrics, metric_reduction
+from asyncrl.train.registry import get_loss, validate
 from asyncrl.sharding.axes import DATA_AXES
 from asyncrl.train.mesh import TrainShardings
 from asyncrl.train.optimizer import Schedule
@@ -276,6 +277,7 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: Lo
     Must be called under `jax.set_mesh(shardings.mesh)`. `step` (int32 scalar) is the optimizer update about to
     be taken (the step's first, with several updates per step); it only feeds the `lr` metric (the optimizer
     keeps its own count)."""
+    validate(loss_cfg)
     check_normalizer(loss_cfg)
     compute = shardings.opt_state_compute if shardings.offloaded else None
     fn = lambda params, opt_state, batch, step, ref_params=None: train_step(  # noqa: E731
