@@ -188,10 +188,17 @@ def test_single_box_extraction_is_unchanged():
     assert final_boxed(r"x \boxed{1} and \boxed{2}") == ["1", "2"]
 
 
-def test_box_grouping_is_linear_in_the_text():
-    import time
+def test_box_grouping_is_linear_in_the_text(monkeypatch):
+    """Grouping steps back once per box, each step a binary search: the work is counted, not timed (a quadratic
+    walk rescanned the text from every box)."""
+    import bisect
 
-    text = (r"\boxed{1}, " * 20_000) + "end"
-    t0 = time.perf_counter()
-    assert len(final_boxed(text)) == 1  # equal contents collapse into one
-    assert time.perf_counter() - t0 < 1.0
+    from asyncrl.tasks import extract
+
+    steps, bisect_left = [], bisect.bisect_left
+    monkeypatch.setattr(extract.bisect, "bisect_left", lambda a, x: (steps.append(x), bisect_left(a, x))[1])
+    for n in (1_000, 20_000):
+        steps.clear()
+        text = (r"\boxed{1}, " * n) + "end"
+        assert len(final_boxed(text)) == 1  # equal contents collapse into one
+        assert len(steps) == n  # one step back per box: the last box's n - 1 predecessors, then the stop
