@@ -108,3 +108,27 @@ def test_warnings_and_errors_print_at_every_level_and_debug_brings_everything_ba
         root.setLevel(saved[0])
         for n, lv in saved[1].items():
             logging.getLogger(n).setLevel(lv)
+
+
+TRANSFORMERS_ADVICE = r"""
+from transformers.utils import logging
+logging.get_logger("transformers").warning_advice("PyTorch was not found. Models won't be available ...")
+logging.get_logger("transformers").warning("a real warning")
+"""
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_hosts_do_not_print_transformers_advice_about_pytorch(host):
+    """On a machine without torch, importing transformers advises, once per host, that PyTorch is missing: nothing
+    a user can act on (hosts only use its tokenizers). The host environment silences advice, not warnings."""
+    from asyncrl.orchestration.driver import host_env
+
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    if host:
+        env |= host_env()
+    res = subprocess.run([sys.executable, "-c", TRANSFORMERS_ADVICE], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert ("PyTorch was not found" in res.stderr) == (not host), res.stderr
+    assert "a real warning" in res.stderr
+

@@ -90,12 +90,20 @@ def _tpu_hosts() -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("TPU", 0) > 0]
 
 
-def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any], bind_ip: str | None) -> tuple[list[Any], Any]:
-    tpu = _tpu_hosts() if cfg.run.platform in ("auto", "tpu") else []
-    env = {"PYTHONPATH": _project_root(), "TOKENIZERS_PARALLELISM": "false"}
+def host_env() -> dict[str, str]:
+    """The environment of every host actor."""
+    # Hosts use transformers for tokenizers only: its advice that PyTorch is missing (one line per host, on a
+    # machine without torch) asks nothing of the user. Its warnings and errors still print.
+    env = {"PYTHONPATH": _project_root(), "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
     for var in ("ASYNCRL_STACK_DUMP_S", "ASYNCRL_FAULTS"):  # debugging and fault injection (faults.py)
         if os.environ.get(var):
             env[var] = os.environ[var]
+    return env
+
+
+def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any], bind_ip: str | None) -> tuple[list[Any], Any]:
+    tpu = _tpu_hosts() if cfg.run.platform in ("auto", "tpu") else []
+    env = host_env()
     if tpu:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
