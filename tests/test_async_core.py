@@ -122,7 +122,8 @@ def test_a_drop_releases_a_replacement_at_once():
     f.consumed(0, None)  # a kept group frees nothing until the weights move on
     time.sleep(0.05)
     assert q.qsize() == 0
-    assert f.state() == {"position": 5, "dropped": 1, "in_flight": [2, 3, 4]}
+    # The share: 0.05 toward 1 (a zero-variance drop), then 0.05 toward 0 (a kept group).
+    assert f.state() == {"position": 5, "dropped": 1, "in_flight": [2, 3, 4], "zero_variance_share": 0.0475}
     with pytest.raises(ValueError, match="position 0 was never released or was already consumed"):
         f.consumed(0, None)
     f.stop.set()
@@ -137,7 +138,7 @@ def test_remote_ranks_credit_through_the_drain():
     reports.append(GroupConsumed(1, "lag", 1))  # rank 1 dropped the group of position 1
     assert wait_until(lambda: q.qsize() == 3)  # the feeder drains while it waits, and replaces it
     assert released(q) == [0, 1, 2]
-    assert f.state() == {"position": 3, "dropped": 1, "in_flight": [0, 2]}
+    assert f.state() == {"position": 3, "dropped": 1, "in_flight": [0, 2], "zero_variance_share": 0.0}
     f.stop.set()
 
 
@@ -335,7 +336,7 @@ def test_restore_rejects_inconsistent_meta():
     with pytest.raises(ValueError, match="in-flight positions .* must be below position 3"):
         f.restore({"position": 3, "dropped": 0, "in_flight": [1, 5]})
     f.restore({"position": 7, "dropped": 2})  # a checkpoint from before in-flight tracking
-    assert f.state() == {"position": 7, "dropped": 2, "in_flight": []}
+    assert f.state() == {"position": 7, "dropped": 2, "in_flight": [], "zero_variance_share": 0.0}
 
 
 # ---- evals ------------------------------------------------------------------------------------------------------
@@ -686,3 +687,22 @@ def test_drop_warnings_are_rate_limited(monkeypatch, caplog):
             assert m["rollout/filtered_lag"] == 15 and len(got) == 1
     said = [r.getMessage() for r in caplog.records if "groups so far" in r.getMessage()]
     assert len(said) == 1 and "dropped 10 groups so far for version 5" in said[0], said
+
+
+def test_the_zero_variance_share_survives_a_checkpoint():
+    """DAPO's oversampling estimate is part of the feeder's checkpointed state: a resumed run oversamples at once,
+    instead of restarting cold from P prompts a step."""
+    f, _ = make_feeder(P=4, max_lag=0, oversample=True)
+    f.set_synced(0)
+    f.start()
+    assert wait_until(lambda: f.state()["position"] == 4)
+    for p in range(3):
+        f.consumed(p, "zero_variance")
+    f.stop.set()
+    share = f.zero_variance_share
+    assert share > 0
+    g, _ = make_feeder(P=4, max_lag=0, oversample=True)
+    g.restore(f.state())
+    assert g.zero_variance_share == share
+    g.set_synced(0)
+    assert g.allowed() == 4 + 3 + g.oversample_for(4) and g.oversample_for(4) >= 1

@@ -14,8 +14,8 @@ estimate f of the zero-variance share (P f / (1 - f), at most 4 P). At max_lag =
 use come back one version too stale and are dropped for lag (DAPO's own oversampling discards them too); at
 max_lag >= 1 the trainer carries them to the next step.
 
-Resume. `state()` records the next new position, the dropped count and the positions released but not yet
-consumed. `restore()` puts those in-flight positions first in line: a resumed run generates them again, with the
+Resume. `state()` records the next new position, the dropped count, the positions released but not yet
+consumed, and the zero-variance share (so DAPO's oversampling does not restart cold). `restore()` puts those in-flight positions first in line: a resumed run generates them again, with the
 same per-position seeds, so nothing is skipped and nothing is trained twice, whatever `max_lag` is.
 
 No Ray here: `put(item, timeout)` and `samples()` are plain callables, so the logic is tested in-process.
@@ -106,13 +106,16 @@ class Feeder:
 
     def state(self) -> dict[str, Any]:
         with self.lock:
-            return {"position": self.position, "dropped": self.dropped, "in_flight": sorted(self.in_flight)}
+            return {"position": self.position, "dropped": self.dropped, "in_flight": sorted(self.in_flight),
+                    "zero_variance_share": self.zero_variance_share}
 
     def restore(self, state: dict[str, Any]) -> None:
         """From `state()` of a checkpoint. A checkpoint from before in-flight tracking has no list: it resumes at
         its position, as it always did."""
         with self.lock:
             self.position, self.dropped = int(state["position"]), int(state.get("dropped", 0))
+            # DAPO's oversampling estimate: without it a resumed run would oversample nothing until it relearned.
+            self.zero_variance_share = float(state.get("zero_variance_share", 0.0))
             self._redo = sorted(int(p) for p in state.get("in_flight", []))
             self.in_flight = set(self._redo)  # still owed, even before they are released again
             if any(p >= self.position for p in self._redo):
