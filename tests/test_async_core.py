@@ -706,3 +706,35 @@ def test_the_zero_variance_share_survives_a_checkpoint():
     assert g.zero_variance_share == share
     g.set_synced(0)
     assert g.allowed() == 4 + 3 + g.oversample_for(4) and g.oversample_for(4) >= 1
+
+
+def test_a_checkpoint_snapshot_sees_a_report_another_thread_is_applying():
+    """Rank 0's feeder thread and trainer thread both drain the other trainer ranks' reports. If the feeder thread
+    has popped a report (position 1, trained by rank 1) but not applied it yet, the trainer's drain-then-snapshot for
+    a checkpoint must still see it applied: listing position 1 in flight would make a resume train it twice."""
+    reports = []
+    f, q = make_feeder(P=2, max_lag=0, drain_remote=lambda: [reports.pop(0) for _ in range(len(reports))])
+    f.set_synced(0)
+    f.start()
+    assert wait_until(lambda: q.qsize() == 2)
+    f.stop.set()
+    f._thread.join(5)
+    applying, release = threading.Event(), threading.Event()
+    consumed = f.consumed
+
+    def slow_consumed(position, reason):  # the feeder thread, between popping a report and applying it
+        applying.set()
+        assert release.wait(5)
+        consumed(position, reason)
+
+    f.consumed = slow_consumed
+    reports.append(GroupConsumed(1, None, 1))
+    drainer = threading.Thread(target=f.drain_remote)
+    drainer.start()
+    assert applying.wait(5) and not reports  # popped, not yet applied
+    threading.Timer(0.3, release.set).start()
+    f.consumed = consumed  # the trainer thread's own drain applies nothing slowly
+    f.drain_remote()  # rank 0 drains before it snapshots (`TrainerWorker._feeder_state`)
+    snapshot = f.state()
+    drainer.join(5)
+    assert snapshot["in_flight"] == [0], snapshot

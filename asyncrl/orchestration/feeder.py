@@ -51,6 +51,9 @@ class Feeder:
         self.P, self.staleness, self.n, self.poll_s = prompts_per_step, staleness, group_size, poll_s
         self.timeout_s, self.who = timeout_s, who
         self.lock = threading.Lock()
+        # Held from popping the other ranks' reports to applying the last of them, so a drain that finds the queue
+        # empty has waited for one in progress: the snapshot after it (a checkpoint) sees every report applied.
+        self._drain_lock = threading.Lock()
         self.position = 0  # next new data position
         self.dropped = 0
         self.in_flight: set[int] = set()  # released, not yet consumed
@@ -90,10 +93,13 @@ class Feeder:
                 self.zero_variance_share += 0.05 * (float(reason == "zero_variance") - self.zero_variance_share)
 
     def drain_remote(self) -> None:
-        """Apply what the other trainer hosts reported (rank 0 calls it before it checkpoints)."""
+        """Apply what the other trainer hosts reported. The feeder thread calls it while it waits, and the trainer
+        thread before it snapshots `state()` for a checkpoint: popping and applying happen under one lock, so the
+        snapshot never lists a position in flight that another thread has already popped as consumed."""
         if self._drain_remote is not None:
-            for m in self._drain_remote():
-                self.consumed(m.position, m.reason)
+            with self._drain_lock:
+                for m in self._drain_remote():
+                    self.consumed(m.position, m.reason)
 
     def urgent(self, version: int) -> set[int]:
         """In-flight positions that a step training on `version` must wait for (`Staleness.urgent`)."""
