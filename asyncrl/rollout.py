@@ -6,7 +6,8 @@ token out). Neutral ground: inference produces them and train consumes them, and
   step's batch, is what the feeder accounts for), the group size, the eval round, and the seed (`uid`).
 - `Completion`: one sampled completion. Raw sampled ids, sampler logprobs, a mask of tokens the engine forced
   (EOS at the length limit, the reasoning-budget phrase) so the loss can leave them out, and the weight version
-  in force when each token was sampled, so staleness is known per token and not only per sample.
+  in force when each token was sampled, so staleness is known per token and not only per sample; and the version
+  that computed the prompt's cache, which the lag counts too.
 - `Rollout`: a prompt and its group of completions.
 """
 
@@ -69,6 +70,7 @@ class Completion:
     logprobs: np.ndarray  # [n] float32, sampler logprobs (0 for forced tokens)
     forced: np.ndarray  # [n] bool, True where the engine forced the token instead of sampling it
     versions: np.ndarray  # [n] int32, weight version in force when each token was produced
+    prompt_version: int | None = None  # the version that computed the prompt's KV cache (the prefill's)
     text: str = ""
     finish_reason: str = "eos"  # "eos" (sampled EOS) or "length" (forced at max_seq_len)
     ended_thinking: bool = False  # an end-of-think token was sampled or forced (reasoning budget)
@@ -82,6 +84,14 @@ class Completion:
                 f"completion arrays disagree: tokens={n} logprobs={len(self.logprobs)} "
                 f"forced={len(self.forced)} versions={len(self.versions)}"
             )
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weights behind this completion: any token's, or the prompt cache's it was decoded from."""
+        vs = [int(self.versions.min())] if len(self.versions) else []
+        if self.prompt_version is not None:
+            vs.append(self.prompt_version)
+        return min(vs, default=0)
 
     @property
     def start_version(self) -> int:
@@ -121,8 +131,10 @@ class Rollout:
 
     @property
     def oldest_version(self) -> int:
-        """The blog's `lag` base: the oldest weight version any token of this group was sampled with."""
-        return min((int(c.versions.min()) for c in self.completions if len(c.versions)), default=0)
+        """The blog's `lag` base: the oldest weight version any token of this group was sampled with, or any prompt
+        cache it was decoded from (`Completion.oldest_version`)."""
+        return min((c.oldest_version for c in self.completions if len(c.versions) or c.prompt_version is not None),
+                   default=0)
 
     @property
     def rewards(self) -> np.ndarray:

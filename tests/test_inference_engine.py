@@ -213,3 +213,25 @@ def test_decode_chunks_return_to_the_host_without_changing_samples(model_params,
         assert max(gaps) <= chunk  # the host regains control at least every `chunk` executed steps
     assert max(engines[10_000][1]) > 3  # unchunked: loops run until a row finishes
     assert engines[1][0].stats.calls > engines[3][0].stats.calls > engines[10_000][0].stats.calls
+
+
+def test_a_group_prefilled_before_a_swap_counts_its_prompt_cache_version(model_params, tok):
+    """A replica prefills under version 0, then parks and takes version 1 before its first decode step: every
+    sampled token is tagged 1, but the prompt's cached keys and values were computed by version 0. The group's lag
+    counts the prefill's version (`Completion.prompt_version`), not only the tokens'."""
+    model, params = model_params
+    cfg = dataclasses.replace(BASE, group_size=2, max_decode_batch_size=4)
+    eng = Engine(model, params, cfg, tok, seed=2)
+    swapped = []
+
+    def hook():  # the first decode loop after the prefill: a weight sync lands here
+        if not swapped:
+            swapped.append(True)
+            eng.set_params(params, 1)
+
+    eng.between_loops = hook
+    out = eng.generate(_requests(tok, 1, 2), drain=True)
+    (g,) = out
+    assert all((c.versions == 1).all() for c in g.completions)  # every token sampled under version 1 ...
+    assert g.oldest_version == 0  # ... from a prompt cache of version 0, which the lag counts
+    assert all(c.prompt_version == 0 for c in g.completions)

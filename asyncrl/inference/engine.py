@@ -158,14 +158,15 @@ class Engine(DecodePrograms):
             toks[i, : len(p)] = p
             lens[i] = len(p)
         with self._lock:
-            params = self.params
+            params, version = self.params, np.int32(self.version)
         t0 = time.perf_counter()
         if self.mesh is not None:
             rep = NamedSharding(self.mesh, P())
             with jax.set_mesh(self.mesh):  # tracing needs the mesh for explicit-sharding rules (thread-local)
-                state = self._prefill(params, jax.device_put(toks, rep), jax.device_put(lens, rep))
+                state = self._prefill(params, jax.device_put(toks, rep), jax.device_put(lens, rep),
+                                      jax.device_put(version, rep))
         else:
-            state = self._prefill(params, jnp.asarray(toks), jnp.asarray(lens))
+            state = self._prefill(params, jnp.asarray(toks), jnp.asarray(lens), version)
         jax.block_until_ready(state.kv)
         self.stats.prefill_time += time.perf_counter() - t0
         return state
@@ -278,7 +279,7 @@ class Engine(DecodePrograms):
             text = self.tokenizer.decode(toks[:-1] if len(toks) and toks[-1] == self.eos_id else toks) if self.tokenizer else ""
             comp = Completion(
                 tokens=toks, logprobs=np.asarray(r.logprobs[pl:n], np.float32), forced=np.asarray(r.forced[pl:n], bool),
-                versions=np.asarray(r.versions[pl:n], np.int32), text=text,
+                versions=np.asarray(r.versions[pl:n], np.int32), prompt_version=int(r.versions[0]), text=text,
                 finish_reason="length" if bool(r.hit_length) else "eos", ended_thinking=bool(r.end_of_think),
             )
             self.stats.finished += 1

@@ -128,9 +128,11 @@ class DecodePrograms:
             state = jax.tree.map(lambda x, s: jax.sharding.reshard(x, s.spec), state, sh)
         return state
 
-    def _prefill_fn(self, params: Any, tokens: jax.Array, lens: jax.Array) -> DecodeState:
+    def _prefill_fn(self, params: Any, tokens: jax.Array, lens: jax.Array, version: jax.Array) -> DecodeState:
         """tokens [P, W] right-padded prompts. Caches all but the last prompt token, which becomes next_token.
-        No LM head: the first sampled token comes from the first decode step."""
+        No LM head: the first sampled token comes from the first decode step. The prompt positions of `versions`
+        hold `version`, the weights that computed their cached keys and values: a weight swap before the first
+        decode step must not hide that the prompt's cache is older than every sampled token."""
         with jax.named_scope("prefill"):
             rows, width = tokens.shape
             state = self._empty(rows, jnp.zeros((2,), jnp.uint32), split_rows=False)
@@ -139,6 +141,8 @@ class DecodePrograms:
             last = jnp.take_along_axis(tokens, jnp.maximum(lens - 1, 0)[:, None], axis=1)[:, 0]
             out = jax.lax.dynamic_update_slice_in_dim(state.tokens, tokens, 0, axis=1)
             state.kv, state.next_token, state.tokens, state.prompt_len = kv, last, out, lens
+            prompt = jnp.arange(self.S)[None, :] < lens[:, None]  # [P, S]
+            state.versions = jnp.where(prompt, version.astype(jnp.int32), state.versions)
             if self.cfg.max_new_tokens is not None:  # +1: the forced EOS slot after max_new_tokens sampled ones
                 state.limit = jnp.minimum(lens + self.cfg.max_new_tokens + 1, self.S)
             return state
@@ -310,7 +314,7 @@ class DecodePrograms:
         """The prefill program for prompts padded to `bucket` tokens, lowered on abstract inputs."""
         sh = None if self.mesh is None else NamedSharding(self.mesh, P())
         args = (self.abstract_params(), jax.ShapeDtypeStruct((self.P, bucket), jnp.int32, sharding=sh),
-                jax.ShapeDtypeStruct((self.P,), jnp.int32, sharding=sh))
+                jax.ShapeDtypeStruct((self.P,), jnp.int32, sharding=sh), self._scalar(jnp.int32))
         return self._lower(self._prefill, args)
 
     def _lower(self, fn: Any, args: tuple) -> jax.stages.Lowered:

@@ -31,7 +31,7 @@ def log_rollouts(path: str, step: int, version: int, rollouts: Sequence[Rollout]
                 "position": r.prompt.position, "worker": r.worker,
                 "completions": [{
                     "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
-                    "n_tokens": int(len(c.tokens)),
+                    "n_tokens": int(len(c.tokens)), "prompt_version": c.prompt_version,
                     # [[first token index, version], ...]: one entry per run of equal versions
                     "versions": [[0, c.start_version], *map(list, c.version_boundaries)] if len(c.tokens) else [],
                 } for c in r.completions]}) + "\n")

@@ -3,8 +3,10 @@ be trained (the collector, `collect.py`), and what one tells the other. To try a
 this class; the feeder and the collector only ask it.
 
 Versions. The trainer's params after step s are version s; step s + 1 (1-based) trains on version s. A group's lag
-is the trainer's version minus the oldest version any token of the group was sampled with
-(`Rollout.oldest_version`), and a group is trained only if its lag is at most `max_lag`.
+is the trainer's version minus the oldest weights behind any of its tokens (`Rollout.oldest_version`): the version
+each token was sampled with, and the version whose prefill computed the prompt's cached keys and values (a replica
+can prefill under v - 1 and swap to v before its first decode step). A group is trained only if its lag is at most
+`max_lag`.
 
 The release gate. A prompt released once the inference hosts hold version v is sampled at >= v, so the prompts of
 step s may go out as soon as v >= s - 1 - max_lag, and not earlier: at most P * (v + max_lag + 1) positions, plus
