@@ -39,8 +39,11 @@ class TrainerCheckpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
+        self.save_tree(step, {"params": params, "opt_state": opt_state}, meta)
+
+    def save_tree(self, step: int, tree: Any, meta: dict[str, Any]) -> None:
         meta = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in meta.items()}
-        state = jax.tree.map(_host_local_to_numpy, {"params": params, "opt_state": opt_state})
+        state = jax.tree.map(_host_local_to_numpy, tree)
         self.manager.save(
             step,
             args=ocp.args.Composite(

@@ -9,7 +9,6 @@ on each with a STRICT_SPREAD placement group; they bind to their node's IP.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -21,7 +20,7 @@ from typing import Any
 
 import ray
 
-from asyncrl.orchestration import logs
+from asyncrl.orchestration import evals, jsonl, logs, rollout_log
 from asyncrl.orchestration.host import HostActor, HostResult, role_of
 from asyncrl.orchestration.metrics import MetricsSink
 from asyncrl.orchestration.progress import Progress
@@ -129,12 +128,17 @@ def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any], bind_ip: str | 
     return actors, None
 
 
-def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any, hosts: list[dict[str, Any]] | None = None) -> None:
+def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any, hosts: list[dict[str, Any]] | None = None,
+              sink: MetricsSink | None = None) -> None:
+    """End an attempt, in an order that loses nothing: the hosts first (a trainer that outlived a failed peer may
+    still publish a row and save its checkpoint), waited for until they are gone, so the checkpoint the next attempt
+    resumes from can no longer change; then the rows they published are drained into `sink`; then the queues."""
     for a in actors:
         try:
             ray.kill(a, no_restart=True)
         except Exception:
             pass
+    _wait_dead(actors)
     # Simulated hosts run on this machine: make sure none survives its actor (a process that is still exiting can
     # hang in a collective with a dead peer). Remote hosts are their raylets' business.
     here = socket.gethostname()
@@ -148,6 +152,12 @@ def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any, hosts: list[di
                 os.kill(h["pid"], signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+    if sink is not None and "driver" in queues:
+        try:
+            for row in queues["driver"].drain():
+                sink.write(row)
+        except Exception as e:  # noqa: BLE001 - a dead queue actor: its rows are lost, the teardown goes on
+            log.warning("could not drain the driver queue after the hosts stopped: %r", e)
     for q in queues.values():
         try:
             ray.kill(q.q.actor, no_restart=True)
@@ -157,6 +167,21 @@ def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any, hosts: list[di
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(pg)
+
+
+def _wait_dead(actors: list[Any], timeout_s: float = 30.0) -> None:
+    """`ray.kill` is asynchronous: wait until Ray reports each killed host dead (its calls fail), so that on a real
+    cluster an old trainer cannot write a checkpoint after the driver has picked the step to resume from."""
+    deadline = time.monotonic() + timeout_s
+    for a in actors:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(a.ping.remote(), timeout=1.0)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - RayActorError (dead), or not an actor at all
+                break
+            time.sleep(0.1)  # it still answers
 
 
 def _alive(pid: int) -> bool:
@@ -186,17 +211,16 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink, bind_ip: str | None) -> 
     info: list[dict[str, Any]] = []
     try:
         timeout = cfg.run.startup_timeout_s
-        info = ray.get([a.ping.remote() for a in actors], timeout=timeout)
-        port = ray.get(actors[0].free_port.remote(), timeout=timeout)
+        info = _startup([a.ping.remote() for a in actors], tw, "the startup ping", timeout)
+        (port,) = _startup([actors[0].free_port.remote()], tw, "the request for a coordinator port", timeout)
         coordinator = f"{info[0]['ip']}:{port}"
         log.debug("joining %d hosts via jax.distributed at %s", len(actors), coordinator)
-        joined = ray.get([a.start_jax.remote(coordinator, timeout) for a in actors], timeout=timeout + 30)
+        joined = _startup([a.start_jax.remote(coordinator, timeout) for a in actors], tw, "the jax.distributed join",
+                          timeout + 30)
         # Who is who, and what each listens on (the JAX coordinator on rank 0, the CPU transfer sockets).
         hosts = [{**h, "role": role_of(h["rank"], tw), "listen": j["listen"]} for h, j in zip(info, joined)]
-        with open(os.path.join(run_dir, "hosts.json"), "w") as f:  # who is who (pids for debugging and tests)
-            json.dump(hosts, f, indent=1)
-        with open(os.path.join(run_dir, "hosts_history.jsonl"), "a") as f:  # every attempt's processes
-            f.write(json.dumps({"time": time.time(), "hosts": hosts}) + "\n")
+        jsonl.write_json(os.path.join(run_dir, "hosts.json"), hosts)  # who is who (pids for debugging and tests)
+        jsonl.append(os.path.join(run_dir, "hosts_history.jsonl"), [{"time": time.time(), "hosts": hosts}])
         refs = {a.run.remote(): i for i, a in enumerate(actors)}
         stall = cfg.run.stall_timeout_s
         last_progress = time.monotonic()
@@ -226,7 +250,33 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink, bind_ip: str | None) -> 
                     _report_late_failures(refs, info, tw)
                     return res.info
     finally:
-        _teardown(actors, queues, pg, info)
+        _teardown(actors, queues, pg, info, sink)
+
+
+def _startup(refs: list[Any], tw: int, what: str, timeout_s: float) -> list[Any]:
+    """The results of one startup call per host (rank order). A host that dies, raises, or does not answer in
+    time is a HostFailure naming it, which the driver restarts like any other (`run.max_restarts`): startup is part
+    of the attempt. Results are taken as they come, so the host that failed is the one named, not a peer left
+    waiting for it (a jax.distributed join waits for every process)."""
+    rank_of = {ref: i for i, ref in enumerate(refs)}
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            rank = rank_of[pending[0]]
+            raise HostFailure(rank, role_of(rank, tw), f"did not answer {what} within {timeout_s:g}s "
+                                                       "(run.startup_timeout_s)")
+        rank = rank_of[ready[0]]
+        try:
+            out[rank] = ray.get(ready[0])
+        except ray.exceptions.RayActorError as e:
+            raise HostFailure(rank, role_of(rank, tw), f"died during {what} ({type(e).__name__})") from None
+        except ray.exceptions.RayTaskError as e:
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise HostFailure(rank, role_of(rank, tw), f"failed in {what}: {first}", str(e)) from None
+    return [out[i] for i in range(len(refs))]
 
 
 def _report_late_failures(refs: dict[Any, int], info: list[dict[str, Any]], tw: int) -> None:
@@ -269,8 +319,10 @@ def run(cfg: Any, config_yaml: str) -> int:
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(config_yaml)
-    if not cfg.checkpoint.resume and os.path.isdir(os.path.join(run_dir, "checkpoints")):
-        shutil.rmtree(os.path.join(run_dir, "checkpoints"))
+    if not cfg.checkpoint.resume:  # a fresh start: the checkpoints and the KL reference of an earlier run go
+        for d in ("checkpoints", "reference"):
+            if os.path.isdir(os.path.join(run_dir, d)):
+                shutil.rmtree(os.path.join(run_dir, d))
     started = _connect(cfg)
     restarts = 0
     code = 0
@@ -278,6 +330,9 @@ def run(cfg: Any, config_yaml: str) -> int:
     try:
         while True:
             resume_step = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+            # Every log back to the checkpoint this attempt starts from (the metrics rows: MetricsSink, below).
+            rollout_log.truncate(run_dir, resume_step or 0)
+            evals.truncate(run_dir, resume_step or 0)
             if resume_step:  # before the bar, which draws itself at once
                 print(f"[asyncrl] resuming {run_dir} from checkpoint step {resume_step}", file=sys.stderr)
             progress = Progress(cfg.train.total_steps, resume_step or 0, cfg.logging.progress_every_n_steps) \

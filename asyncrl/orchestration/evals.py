@@ -6,20 +6,26 @@ sampler. Every collected round is kept: its metrics go to `evals.jsonl` (one lin
 collects it) and its samples to `eval_samples.jsonl`; the step that collects it also carries its `eval/*`
 metrics. The round still pending at the final step is waited for and recorded too, before the final eval.
 
+A round is written in one batch per file (`jsonl.append`). A resumed attempt relaunches the rounds of the steps
+after its checkpoint, so the driver first cuts both files back to the rounds launched up to it (`truncate`): no
+round twice. (A round launched before the checkpoint and still pending at a failure is lost: its weights are.)
+
 No Ray here: the queue operations are plain callables.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from asyncrl.orchestration import jsonl
 from asyncrl.rollout import Prompt
 from asyncrl.tasks import summarize_rewards
+
+ROUNDS, SAMPLES = "evals.jsonl", "eval_samples.jsonl"
 
 
 class Evals:
@@ -83,12 +89,10 @@ class Evals:
         self.pending = None
         groups.sort(key=lambda g: g.prompt.position)  # eval-set order
         # Every eval sample, for inspection and for paired comparisons of two evals (same prompts, same order).
-        with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
-            for g in groups:
-                f.write(json.dumps({"round": round_, "version": g.oldest_version, "id": g.prompt.id,
-                                    "answer": g.prompt.sample.answer, "worker": g.worker,
-                                    "completions": [{"text": c.text, "reward": c.reward, "reason": c.reason}
-                                                    for c in g.completions]}) + "\n")
+        jsonl.append(os.path.join(self.run_dir, SAMPLES), (
+            {"round": round_, "version": g.oldest_version, "id": g.prompt.id, "answer": g.prompt.sample.answer,
+             "worker": g.worker, "completions": [{"text": c.text, "reward": c.reward, "reason": c.reason}
+                                                 for c in g.completions]} for g in groups))
         stats = summarize_rewards([list(g.rewards) for g in groups])
         out = {f"eval/{k}": float(v) for k, v in stats.items()}
         out["eval/reward_mean"] = float(np.mean([g.rewards.mean() for g in groups]))
@@ -96,6 +100,11 @@ class Evals:
         out["eval/prompts"] = float(len(groups))
         out["eval/samples"] = float(sum(len(g.completions) for g in groups))
         out["eval/at_step"] = float(at_step)
-        with open(os.path.join(self.run_dir, "evals.jsonl"), "a") as f:
-            f.write(json.dumps({"round": round_, **out}) + "\n")
+        jsonl.append(os.path.join(self.run_dir, ROUNDS), [{"round": round_, **out}])
         return out
+
+
+def truncate(run_dir: str, step: int) -> None:
+    """Keep the rounds launched at steps <= `step` (a round is numbered by the step that launched it)."""
+    for name in (ROUNDS, SAMPLES):
+        jsonl.truncate(os.path.join(run_dir, name), lambda r: r.get("round", 0) <= step)

@@ -6,7 +6,8 @@ driver's stall detector must catch. `ASYNCRL_FAULTS` names them, `;`-separated, 
     ASYNCRL_FAULTS="kill@weight_sync:1:7;hang@step:0:3"
 
 `kill` SIGKILLs the process (no cleanup, like a lost VM); `hang` sleeps forever. Points: `step` (a trainer host
-starting step N), `weight_sync` (a host entering the sync that follows step N; the initial sync is step 0).
+starting step N), `weight_sync` (a host entering the sync that follows step N; the initial sync is step 0),
+`startup` (a host joining jax.distributed; step 0).
 Inference hosts count syncs by the version they receive. Each fault fires once per run directory (a marker file
 records it), so a restarted host does not die again at the same place. Unset in normal runs: `point` is then a
 dictionary lookup.
@@ -30,12 +31,12 @@ def parse(spec: str) -> list[tuple[str, str, int, int]]:
         try:
             action, rest = part.split("@")
             point, rank, step = rest.split(":")
-            if action not in ("kill", "hang") or point not in ("step", "weight_sync"):
+            if action not in ("kill", "hang") or point not in ("step", "weight_sync", "startup"):
                 raise ValueError
             out.append((action, point, int(rank), int(step)))
         except ValueError:
             raise ValueError(f"{ENV}: bad fault {part!r}; expected action@point:rank:step with action kill|hang and "
-                             "point step|weight_sync") from None
+                             "point step|weight_sync|startup") from None
     return out
 
 

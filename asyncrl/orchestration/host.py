@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.orchestration import logs
+from asyncrl.orchestration import faults, logs
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class HostActor:
 
         from asyncrl.weightsync.transfer import enable_cpu_transfers
 
+        faults.point("startup", self.rank, 0, self.run_dir)
         if self.cfg.run.platform == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             enable_cpu_transfers(self.ip)

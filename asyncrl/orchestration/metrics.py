@@ -3,12 +3,12 @@ progress (`progress.py`), and at the end a summary table and RUN_DIR/reward_curv
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from typing import Any
 
+from asyncrl.orchestration import jsonl
 from asyncrl.orchestration.messages import InferenceReport
 from asyncrl.orchestration.progress import Progress
 
@@ -50,22 +50,16 @@ class RayGauges:
 
 
 class MetricsSink:
-    """Driver-side writer. `resume_from` drops lines past the checkpoint step so no step appears twice."""
+    """Driver-side writer. `resume_from` drops lines past the checkpoint step so no step appears twice (and a torn
+    last line with them: `jsonl`)."""
 
     def __init__(self, run_dir: str, tensorboard: bool = True, progress: Progress | None = None,
                  resume_from: int | None = None):
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
         os.makedirs(run_dir, exist_ok=True)
-        self.rows: list[dict[str, Any]] = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                self.rows = [json.loads(x) for x in f if x.strip()]
-            if resume_from is not None:
-                self.rows = [r for r in self.rows if r.get("step", 0) <= resume_from]
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.rows)
-            os.replace(self.path + ".tmp", self.path)
+        jsonl.truncate(self.path, lambda r: resume_from is None or r.get("step", 0) <= resume_from)
+        self.rows: list[dict[str, Any]] = jsonl.read(self.path)
         self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -77,8 +71,7 @@ class MetricsSink:
     def write(self, row: dict[str, Any]) -> None:
         step = int(row["step"])
         self.rows.append(row)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        jsonl.append(self.path, [row])
         if self.tb is not None:
             for k, v in row.items():
                 if _finite(v) and k != "step":

@@ -1,13 +1,15 @@
 """`logging.rollouts_every_n_steps`: the trained groups of a step, and the groups dropped while collecting it, as
 JSON lines. Each trainer host writes its own share to its own file (rollouts.jsonl, rollouts.rank1.jsonl, ...), so
-nothing is gathered over the network for logging."""
+nothing is gathered over the network for logging. A step's records go out in one write (`jsonl.append`), and the
+driver cuts the files back to the checkpoint a resumed attempt starts from (`truncate`)."""
 
 from __future__ import annotations
 
-import json
+import glob
 import os
 from typing import Any, Sequence
 
+from asyncrl.orchestration import jsonl
 from asyncrl.rollout import Rollout
 
 
@@ -21,17 +23,22 @@ def drop_record(step: int, rollout: Rollout, reason: str) -> dict[str, Any]:
             "id": rollout.prompt.id, "oldest_version": rollout.oldest_version, "worker": rollout.worker}
 
 
+def truncate(run_dir: str, step: int) -> None:
+    """Keep the records of steps <= `step` in every rank's file (a resumed attempt redoes the steps after it)."""
+    for path in glob.glob(os.path.join(run_dir, "rollouts*.jsonl")):
+        jsonl.truncate(path, lambda r: r.get("step", 0) <= step)
+
+
 def log_rollouts(path: str, step: int, version: int, rollouts: Sequence[Rollout], drops: Sequence[dict]) -> None:
-    with open(path, "a") as f:
-        for d in drops:
-            f.write(json.dumps(d) + "\n")
-        for r in rollouts:
-            f.write(json.dumps({
-                "step": step, "trainer_version": version, "pid": os.getpid(), "id": r.prompt.id,
-                "position": r.prompt.position, "worker": r.worker,
-                "completions": [{
-                    "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
-                    "n_tokens": int(len(c.tokens)), "prompt_version": c.prompt_version,
-                    # [[first token index, version], ...]: one entry per run of equal versions
-                    "versions": [[0, c.start_version], *map(list, c.version_boundaries)] if len(c.tokens) else [],
-                } for c in r.completions]}) + "\n")
+    jsonl.append(path, [*drops, *(_record(step, version, r) for r in rollouts)])
+
+
+def _record(step: int, version: int, r: Rollout) -> dict[str, Any]:
+    return {"step": step, "trainer_version": version, "pid": os.getpid(), "id": r.prompt.id,
+            "position": r.prompt.position, "worker": r.worker,
+            "completions": [{
+                "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
+                "n_tokens": int(len(c.tokens)), "prompt_version": c.prompt_version,
+                # [[first token index, version], ...]: one entry per run of equal versions
+                "versions": [[0, c.start_version], *map(list, c.version_boundaries)] if len(c.tokens) else [],
+            } for c in r.completions]}

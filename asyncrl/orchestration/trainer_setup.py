@@ -1,8 +1,18 @@
 """Building a trainer host's `Trainer`: the model, its starting weights (random, a checkpoint folder or a model
-source), the cached format warm-start, and a resume from the run's latest checkpoint."""
+source), the cached format warm-start, a resume from the run's latest checkpoint, and the KL reference.
+
+The KL reference (`loss.kl_coef > 0`) is the policy the run started from: the params after any format warm-start.
+It is durable state of the run, not of a step: saved once, beside the checkpoints (`run_dir/reference`, Orbax,
+atomic), and restored on every resume, a restart after a kill included. A run directory without it (checkpoints
+written before it was kept) rebuilds it instead: the same starting weights, the same warm-start (cached on disk).
+Either way `train/kl` goes on across a resume without a jump. (With LoRA the reference is the base with the
+adapters off, and there is nothing to keep.)
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import jax
@@ -11,6 +21,10 @@ import jax.numpy as jnp
 from asyncrl.orchestration.checkpoint import TrainerCheckpoints, has_checkpoint, open_checkpoints, resume_latest
 from asyncrl.sharding.roles import split_roles
 from asyncrl.tasks import build_task
+
+log = logging.getLogger(__name__)
+
+REFERENCE_DIR = "reference"
 
 
 def build_trainer(cfg: Any, run_dir: str) -> tuple[Any, TrainerCheckpoints | None, dict[str, Any]]:
@@ -31,11 +45,32 @@ def build_trainer(cfg: Any, run_dir: str) -> tuple[Any, TrainerCheckpoints | Non
     else:
         trainer.init(key)
     resuming = cfg.checkpoint.resume and has_checkpoint(run_dir)
-    if cfg.train.format_warmstart_steps and not resuming:
+    reference = _reference_store(cfg, run_dir)
+    kept = reference is not None and reference.latest_step() is not None
+    # The warm-start makes the starting policy. A resume skips it (the checkpoint holds the policy), unless the KL
+    # reference must be rebuilt from it.
+    if cfg.train.format_warmstart_steps and (not resuming or (cfg.loss.kl_coef > 0 and not kept)):
         warmstart(cfg, trainer, model, run_dir)
+    if reference is not None:
+        if kept:
+            state, _ = reference.restore(0, {"params": trainer.abstract_reference()})
+            trainer.set_reference(state["params"])
+        else:
+            if resuming:
+                log.warning("the run directory has no saved KL reference (%s): rebuilt it from the starting weights "
+                            "and the cached warm-start", os.path.join(run_dir, REFERENCE_DIR))
+            reference.save_tree(0, {"params": trainer.ref_params}, {"kind": "start"})
+        reference.close()
     ckpt = open_checkpoints(cfg, run_dir)
     meta = resume_latest(ckpt, trainer) if (ckpt is not None and cfg.checkpoint.resume) else {}
     return trainer, ckpt, meta
+
+
+def _reference_store(cfg: Any, run_dir: str) -> TrainerCheckpoints | None:
+    """Where the KL reference is kept: only with the KL term on and checkpoints saved or resumed."""
+    if cfg.loss.kl_coef == 0 or not (cfg.checkpoint.every_n_steps or cfg.checkpoint.resume):
+        return None
+    return TrainerCheckpoints(os.path.join(run_dir, REFERENCE_DIR), 1, cfg.async_.train_workers)
 
 
 def warmstart(cfg: Any, trainer: Any, model: Any, run_dir: str) -> None:

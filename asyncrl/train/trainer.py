@@ -41,7 +41,8 @@ class Trainer:
 
     With loss.kl_coef > 0 it also keeps `ref_params`, the KL reference: a copy of the params as `init` or `load`
     left them (the policy the run starts from), in the compute dtype, on the param shardings or in pinned host
-    memory (train.ref_offload). Restoring a checkpoint does not move it."""
+    memory (train.ref_offload). Restoring a checkpoint does not move it: the run keeps the reference as durable
+    state of its own (`set_reference`, `orchestration/trainer_setup.py`)."""
 
     def __init__(self, model: Model, train_cfg: TrainConfig, loss_cfg: LossConfig, sharding_cfg: ShardingConfig,
                  devices: Sequence[jax.Device] | None = None, temperature: float = 1.0):
@@ -120,10 +121,20 @@ class Trainer:
         """The KL reference: a copy (the step donates `params`) of the params the run starts from."""
         if self.loss_cfg.kl_coef == 0:
             return
+        self.set_reference(self.params)
+
+    def set_reference(self, params: Params) -> None:
+        """Make `params` (any placement and dtype) the KL reference: cast to the reference dtype, on its shardings.
+        A resumed run restores the reference it started with this way (`orchestration/trainer_setup.py`)."""
         dtype = self.ref_dtype
+        placed = jax.device_put(params, self.shardings.params)
         with jax.set_mesh(self.mesh):
-            self.ref_params = jax.jit(lambda p: params_lib.cast(p, dtype),
-                                      out_shardings=self.ref_shardings)(self.params)
+            self.ref_params = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.ref_shardings)(placed)
+
+    def abstract_reference(self) -> Params:
+        """ShapeDtypeStructs of the KL reference on the param shardings: a restore target."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, self.ref_dtype, sharding=s),
+                            self.params_abstract, self.shardings.params)
 
     def _init_opt_state(self) -> None:
         with jax.set_mesh(self.mesh):
