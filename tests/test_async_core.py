@@ -417,7 +417,7 @@ def _gate_worker(monkeypatch, engines, park_timeout_s, on_transfer=lambda: None)
     """An InferenceWorker over fake replicas, its monitor fed by an in-process queue; each sync's transfer calls
     `on_transfer` and lands a fresh Leaf (`landed` counts them)."""
     cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=park_timeout_s),
-                          eval=SimpleNamespace(num_prompts=4))
+                          eval=SimpleNamespace(num_prompts=4), weightsync=SimpleNamespace(timeout_s=5))
     signals = FakeQueue(0)
     w = InferenceWorker(cfg, 1, "/tmp", {"weight_sync": signals})
     w.replicas = SimpleNamespace(engines=engines)
@@ -738,3 +738,85 @@ def test_a_checkpoint_snapshot_sees_a_report_another_thread_is_applying():
     snapshot = f.state()
     drainer.join(5)
     assert snapshot["in_flight"] == [0], snapshot
+
+
+# ---- every wait has a deadline of its own (also with run.stall_timeout_s=0) --------------------------------------
+
+
+def _deadline_worker(**weightsync):
+    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=0.1),
+                          eval=SimpleNamespace(num_prompts=4),
+                          weightsync=SimpleNamespace(**{"timeout_s": 0.1, "first_sync_timeout_s": 0.3, **weightsync}))
+    return InferenceWorker(cfg, 4, "/tmp", {})
+
+
+def _raises_within(fn, seconds):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("e", _capture(fn)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds}s"
+    return box["e"]
+
+
+def _capture(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+def test_the_first_weights_wait_has_a_deadline_naming_its_field():
+    w = _deadline_worker()
+    e = _raises_within(w._await_first_weights, 10)
+    assert isinstance(e, TimeoutError) and "inference4 waited 0.3s (weightsync.first_sync_timeout_s) for its first " \
+        "weights" in str(e)
+
+
+def test_a_parked_replica_gives_up_on_a_sync_that_never_lands():
+    w = _deadline_worker()
+    w.gate.params, w.gate.version = {"w": 0}, 0
+    w.gate.open()  # the monitor opened sync #1 and then wedged: it never releases it
+    e = _raises_within(lambda: w._maybe_update(FakeEngine("inference4/r0", 0)), 10)
+    assert isinstance(e, TimeoutError) and "inference4/r0 of inference4 stayed parked 0.4s for weight sync #1" in str(e)
+
+
+def test_a_hop_receive_whose_sender_died_times_out_naming_the_bucket():
+    from asyncrl.weightsync.transfer import HopChainTransfer
+
+    class NeverArrives:
+        def block_until_ready(self):
+            time.sleep(3600)
+
+    hc = HopChainTransfer.__new__(HopChainTransfer)
+    hc.timeout_s, hc.on_event = 0.2, None
+    e = _raises_within(lambda: hc._wait([NeverArrives()], "weight sync v7", 0, 1, 3), 10)
+    assert isinstance(e, TimeoutError) and "weight sync v7: hop 0 (slot 0 -> slot 1" in str(e) \
+        and "bucket 2/3 did not arrive within 0.2s (weightsync.timeout_s)" in str(e)
+
+
+def test_a_replica_blocked_handing_off_a_group_still_parks_for_a_sync(monkeypatch):
+    """A replica stuck handing a finished group to a full scoring lane (or a full verifier pool) parks for a weight
+    sync between its tries: the sync waits a slice, not the whole hand-off (async.queue_timeout_s, up to 300 s)."""
+    from concurrent.futures import Future
+
+    engine = FakeEngine("r0", 0.0)
+    w, signals, landed = _gate_worker(monkeypatch, [engine], park_timeout_s=2)
+    w.cfg.task = SimpleNamespace(verifier=SimpleNamespace(submit_timeout_s=30))
+    w.timeout_s = 30
+    w.lanes[False] = queue.Queue(maxsize=1)
+    w.lanes[False].put("a group nobody scores yet")  # the lane is full
+    done = Future()
+    done.set_result(SimpleNamespace(reward=1.0, reason="correct"))
+    w.verifier = SimpleNamespace(submit=lambda text, sample, timeout=None: done)
+    handoff = threading.Thread(target=w._on_group, args=(group(0, 0, [1, 0]), engine), daemon=True)
+    handoff.start()
+    threading.Thread(target=w._monitor, daemon=True).start()
+    signals.put(WeightSync(1))
+    assert wait_until(lambda: engine.version == 1, timeout=5), w.errors
+    assert not w.errors and handoff.is_alive()  # the sync landed while the hand-off still waits
+    w.lanes[False].get()  # the scorer takes a group: the hand-off completes
+    handoff.join(5)
+    assert not handoff.is_alive() and w.lanes[False].qsize() == 1
+    w.stop.set()

@@ -110,6 +110,19 @@ class InferenceWorker:
             self.stop.set()
             self.gate.release()
 
+    def _await_first_weights(self) -> None:
+        """The first sync delivers the trainer's initial weights; it comes once the trainer is built."""
+        limit = self.cfg.weightsync.first_sync_timeout_s
+        deadline = time.monotonic() + limit
+        while self.gate.params is None:
+            if self.errors:
+                raise self.errors[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"inference{self.rank} waited {limit:g}s (weightsync.first_sync_timeout_s) for its "
+                                   "first weights from the trainer; the trainer never finished building or never "
+                                   "started its first sync")
+            time.sleep(0.05)
+
     def _maybe_update(self, engine: Engine) -> None:
         """Called by each replica between decode loops (the engine's `between_loops` hook)."""
         if self.errors:
@@ -121,7 +134,15 @@ class InferenceWorker:
                 k = self.gate.requested
                 self.gate.parked += 1
                 self.gate.cond.notify_all()
+                # The monitor releases every sync it opens, on success or failure, within its own deadlines (the
+                # barriers and every hop's bucket: weightsync.timeout_s each); this one is the replica's own.
+                limit = self.cfg.async_.park_timeout_s + 3 * self.cfg.weightsync.timeout_s
+                deadline = time.monotonic() + limit
                 while self.gate.released < k and not self.stop.is_set():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"{engine.name} of inference{self.rank} stayed parked {limit:g}s for weight sync #{k} "
+                            "(async.park_timeout_s + 3 x weightsync.timeout_s); the weight-sync monitor is wedged")
                     self.gate.cond.wait(0.1)  # a slice: a stop set elsewhere notifies no one
         with self.gate.lock:
             if self.gate.params is not None and engine.version != self.gate.version:
@@ -162,13 +183,33 @@ class InferenceWorker:
             self.errors.append(e)
             self.stop.set()
 
-    def _on_group(self, r: Rollout) -> None:
-        futures = [self.verifier.submit(c.text, r.prompt.sample) for c in r.completions]
-        try:  # blocks decode when scoring falls behind: back-pressure, but never forever
-            self.lanes[r.is_eval].put((r, futures), timeout=self.timeout_s)
-        except queue.Full:
-            raise QueueTimeout(f"inference{self.rank} decode waited {self.timeout_s:.0f}s to hand a finished group to "
-                               f"the {'eval' if r.is_eval else 'train'} scoring lane; the scorer is stalled") from None
+    def _on_group(self, r: Rollout, engine: Engine) -> None:
+        """Hand a finished group to grading and its scoring lane. This blocks decode when scoring falls behind
+        (back-pressure), but never forever, and never past a weight sync: the waits come in slices, and between
+        them the replica parks if a sync is pending (`_maybe_update`), so a sync waits one decode chunk at most, not
+        for a full verifier pool or a full lane."""
+        lane = "eval" if r.is_eval else "train"
+        futures = [self._parkable(engine, lambda c=c, t=None: self.verifier.submit(c.text, r.prompt.sample, timeout=t),
+                                  TimeoutError, self.cfg.task.verifier.submit_timeout_s,
+                                  f"to submit a completion of the prompt at data position {r.prompt.position} to the "
+                                  "verifier (task.verifier.submit_timeout_s); the grading workers are stuck")
+                   for c in r.completions]
+        self._parkable(engine, lambda t=None: self.lanes[r.is_eval].put((r, futures), timeout=t), queue.Full,
+                       self.timeout_s, f"to hand a finished group to the {lane} scoring lane (async.queue_timeout_s); "
+                       "the scorer is stalled", QueueTimeout)
+
+    def _parkable(self, engine: Engine, call: Any, full: type, limit_s: float, what: str,
+                  error: type = TimeoutError) -> Any:
+        """`call(t)` retried in slices of at most 0.2 s while it raises `full`, parking the replica for any weight
+        sync in between; after `limit_s` in all, `error` naming the waiter."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            try:
+                return call(t=min(0.2, max(0.0, deadline - time.monotonic())))
+            except full:
+                if time.monotonic() >= deadline:
+                    raise error(f"{engine.name} of inference{self.rank} waited {limit_s:g}s {what}") from None
+                self._maybe_update(engine)
 
     # ---- replica loop ---------------------------------------------------------------------------------------
 
@@ -195,14 +236,15 @@ class InferenceWorker:
     def _replica_loop(self, engine: Engine) -> None:
         try:
             engine.between_loops = lambda: self._maybe_update(engine)
+            on_group = lambda r: self._on_group(r, engine)  # noqa: E731
             last_report = time.time()
             while not self.stop.is_set():
                 engine.between_loops()
                 reqs = self._next_requests()
                 if reqs:
-                    engine.generate(reqs, drain=False, on_group=self._on_group)
+                    engine.generate(reqs, drain=False, on_group=on_group)
                 elif engine.in_flight:
-                    engine.advance(on_group=self._on_group)  # no new prompts: finish rows instead of idling
+                    engine.advance(on_group=on_group)  # no new prompts: finish rows instead of idling
                 if time.time() - last_report > 2.0:
                     self._report(engine)
                     last_report = time.time()
@@ -239,10 +281,7 @@ class InferenceWorker:
         self.replicas: ReplicaSet | None = None
         monitor = threading.Thread(target=self._monitor, name="weight-sync-monitor", daemon=True)
         monitor.start()
-        while self.gate.params is None:  # the first sync delivers the trainer's initial weights
-            if self.errors:
-                raise self.errors[0]
-            time.sleep(0.05)
+        self._await_first_weights()
         with self.gate.lock:
             self.replicas = ReplicaSet(Model(mcfg), self.gate.params, cfg.inference, self.tokenizer,
                                        devices=split_roles(jax.devices(), cfg.async_.train_workers).host_devices(jax.process_index()),

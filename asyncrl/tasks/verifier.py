@@ -91,8 +91,11 @@ class Verifier:
 
     # -- public API --
 
-    def submit(self, completion: str, sample: Sample) -> "Future[Score]":
-        """Queue one answer; the future resolves to its Score (never raises for a bad answer)."""
+    def submit(self, completion: str, sample: Sample, timeout: float | None = None) -> "Future[Score]":
+        """Queue one answer; the future resolves to its Score (never raises for a bad answer). With the pool full
+        (`max_pending` answers queued), wait up to `timeout` (default `task.verifier.submit_timeout_s`) for room,
+        then raise TimeoutError."""
+        wait_s = self.cfg.submit_timeout_s if timeout is None else timeout
         future: Future = Future()
         if self.cfg.workers == 0:
             future.set_running_or_notify_cancel()
@@ -100,9 +103,9 @@ class Verifier:
             return future
         with self._lock:
             if not self._room.wait_for(lambda: len(self._pending) < self.cfg.max_pending or self._closed
-                                       or self._fatal is not None, timeout=self.cfg.submit_timeout_s):
+                                       or self._fatal is not None, timeout=wait_s):
                 raise TimeoutError(f"Verifier: {len(self._pending)} answers pending (task.verifier.max_pending="
-                                   f"{self.cfg.max_pending}) for {self.cfg.submit_timeout_s:g}s; the {self.cfg.workers} "
+                                   f"{self.cfg.max_pending}) for {wait_s:g}s; the {self.cfg.workers} "
                                    "grading workers are not keeping up or are stuck")
             if self._closed:
                 raise RuntimeError("Verifier.submit after close()")

@@ -23,8 +23,14 @@ class WeightSyncConfig:
     time. False: every sync blocks the trainer until the weights have landed."""
     timeout_s: float = 600.0
     """Longest any process waits at the barriers that open and close a sync (every process of the job meets there:
-    a dead or wedged host turns into an error naming the sync instead of a hang)."""
+    a dead or wedged host turns into an error naming the sync instead of a hang), and longest a receiving host
+    waits for one bucket of a hop to arrive."""
+    first_sync_timeout_s: float = 1800.0
+    """Longest an inference host waits for its first weights: the trainer sends them once it is built (the model
+    loaded, any format warm-start done, the programs compiled), so this is generous; it bounds a trainer that never
+    comes up."""
 
     def __post_init__(self) -> None:
         check("weightsync.bucket_mb", self.bucket_mb, self.bucket_mb >= 0, ">= 0 (0 = one bucket)")
         check("weightsync.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
+        check("weightsync.first_sync_timeout_s", self.first_sync_timeout_s, self.first_sync_timeout_s > 0, "> 0")

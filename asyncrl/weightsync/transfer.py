@@ -187,6 +187,27 @@ class PendingSync:
         return self._result
 
 
+def _ready_within(tree: Any, timeout_s: float) -> Any:
+    """`jax.block_until_ready(tree)` with a deadline: a receive whose sender died can block forever, so the wait
+    runs on a helper thread (a daemon: left behind only when the host is failing anyway)."""
+    box: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            box["out"] = jax.block_until_ready(tree)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=wait, name="weight-sync-receive", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"not ready within {timeout_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
 class HopChainTransfer:
     def __init__(self, train_workers: int, devices: Sequence[jax.Device] | None = None, *, bucket_mb: float = 512.0,
                  timeout_s: float = 600.0, hop_delay_s: float = 0.0,
@@ -308,11 +329,14 @@ class HopChainTransfer:
 
     def _wait(self, bucket: list[jax.Array], what: str, hop: int, b: int, n_b: int, event: bool = True
               ) -> list[jax.Array]:
+        where = f"hop {hop} (slot {hop} -> slot {hop + 1}, process {jax.process_index()} receiving)"
         try:
-            out = jax.block_until_ready(bucket)
+            out = _ready_within(bucket, self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{what}: {where}: bucket {b + 1}/{n_b} did not arrive within {self.timeout_s:g}s "
+                               "(weightsync.timeout_s); the sending host is dead or wedged") from None
         except Exception as e:
-            raise RuntimeError(f"{what}: hop {hop} (slot {hop} -> slot {hop + 1}, process {jax.process_index()} "
-                               f"receiving) failed on bucket {b + 1}/{n_b}: {e}") from e
+            raise RuntimeError(f"{what}: {where} failed on bucket {b + 1}/{n_b}: {e}") from e
         if event and self.on_event is not None:
             self.on_event("recv", b, hop)
         return out
