@@ -16,7 +16,7 @@ from asyncrl.orchestration.inference_worker import InferenceWorker
 from asyncrl.orchestration.trainer_worker import TrainerWorker
 from asyncrl.orchestration.collect import RolloutTimeout, collect_rollouts
 from asyncrl.orchestration.messages import GroupConsumed, WeightSync
-from asyncrl.orchestration.staleness import Staleness
+from asyncrl.orchestration.staleness import Staleness, StragglerWait
 from asyncrl.weightsync.config import WeightSyncConfig
 
 
@@ -205,7 +205,7 @@ class Sim:
             r.sample = (item.position, -1, item.sample)
             self.rollouts.put(r, timeout=5)
 
-    def run(self, steps):
+    def run(self, steps, straggler=float("inf")):
         for _ in range(self.replicas):
             threading.Thread(target=self._inference, daemon=True).start()
         pool = [] if self.pooled else None
@@ -223,7 +223,7 @@ class Sim:
                     (self.dropped.append((step, r.prompt.position, reason)) if reason else None)
                 kept, m = collect_rollouts(self.rollouts.poll, self.P, self.version, Staleness(self.max_lag), self.zv,
                                            timeout_s=5, on_consumed=on, check=self.feeder.check, poll_s=0.05,
-                                           pool=pool, urgent=urgent)
+                                           pool=pool, urgent=urgent, straggler=straggler)
                 self.taken += [(step, r.prompt.position) for r in kept]
                 metrics.append(m)
                 time.sleep(self.step_s)
@@ -534,7 +534,7 @@ def test_straggler_wait_is_bounded():
         q.put(group(p, 1, [1, 0]))  # lag 0: fresher groups could still come, so the step may wait
     t0 = time.time()
     kept, m = collect_rollouts(q.poll, 3, 1, Staleness(1), timeout_s=30, poll_s=0.05, pool=(pool := []),
-                               urgent=lambda v: {99}, straggler_wait_s=0.3)  # 99 never comes
+                               urgent=lambda v: {99}, straggler=0.3)  # 99 never comes
     assert 0.25 < time.time() - t0 < 5
     assert len(kept) == 3 and len(pool) == 1  # the 4th group is carried to the next step
     kept, m = collect_rollouts(q.poll, 1, 1, Staleness(1), timeout_s=30, poll_s=0.05, pool=pool,
@@ -820,3 +820,41 @@ def test_a_replica_blocked_handing_off_a_group_still_parks_for_a_sync(monkeypatc
     handoff.join(5)
     assert not handoff.is_alive() and w.lanes[False].qsize() == 1
     w.stop.set()
+
+
+# ---- the adaptive straggler wait ----------------------------------------------------------------------------------
+
+
+def test_the_straggler_wait_doubles_after_a_miss_and_shrinks_toward_what_it_needed():
+    w = StragglerWait(floor_s=0.5, cap_s=4.0)
+    w.observe([], gave_up=True)
+    assert w.current_s == 1.0
+    for _ in range(5):
+        w.observe([], gave_up=True)
+    assert w.current_s == 4.0  # capped
+    w.observe([1.5], gave_up=False)  # the stragglers came, the slowest 1.5 s after the step was full
+    assert w.current_s == pytest.approx(3.6)  # 10% shorter, still above twice 1.5 s
+    for _ in range(50):
+        w.observe([0.05], gave_up=False)
+    assert w.current_s == 0.5  # back to the floor once they come quickly
+    fixed = StragglerWait(0.5, 4.0, adaptive=False)
+    fixed.observe([], gave_up=True)
+    assert fixed.current_s == 0.5
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_slow_stragglers_are_dropped_by_a_fixed_wait_and_caught_by_an_adaptive_one(adaptive):
+    """Every 6th group takes 0.9 s to generate, longer than the 0.5 s a fixed wait gives it: each one misses its
+    last step and is dropped for lag (8 of 18 steps here). The adaptive wait gives up a few times, doubling each
+    time, and catches the rest (2 drops here)."""
+    sim = Sim(P=4, max_lag=1, rewards=lambda p: [p % 2, 1 - p % 2], replicas=3, step_s=0.02,
+              decode_s=lambda p: 0.9 if p % 6 == 5 else 0.01)
+    wait = StragglerWait(0.5, 4.0, adaptive=adaptive)
+    metrics = sim.run(18, straggler=wait)
+    drops = sum(m["rollout/filtered_lag"] for m in metrics)
+    if adaptive:
+        assert drops <= 3, drops
+        assert wait.current_s >= 1.0
+    else:
+        assert drops >= 6, drops
+    assert max(m["rollout/lag_max"] for m in metrics) <= 1

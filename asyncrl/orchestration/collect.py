@@ -8,7 +8,7 @@ such a group has zero advantage everywhere).
 Oldest first. Groups finish out of order (continuous batching, several replicas). With a `pool` (groups received
 but not yet trained, carried from step to step) and `urgent(version)` (positions still in flight that a later
 step could not train: the prompt feeder knows them), a step waits for its urgent groups (up to
-`async.straggler_wait_s` once it holds enough), trains the oldest groups it holds, and carries the rest. Without
+`staleness.StragglerWait` once it holds enough), trains the oldest groups it holds, and carries the rest. Without
 them it takes arrivals in order, as the blog does.
 
 `get_rollout(timeout)` is any callable that returns a Rollout, or None / raises `queue.Empty` / `TimeoutError`
@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from asyncrl.orchestration.staleness import Staleness
+from asyncrl.orchestration.staleness import Staleness, StragglerWait
 from asyncrl.rollout import Rollout
 from asyncrl.train.batch import HostMetrics
 
@@ -61,7 +61,7 @@ def collect_rollouts(
     pool: list[Rollout] | None = None,
     urgent: Callable[[int], set[int]] | None = None,
     zero_variance_budget: int | None = None,
-    straggler_wait_s: float = float("inf"),
+    straggler: StragglerWait | float = float("inf"),
 ) -> tuple[list[Rollout], HostMetrics]:
     """Block until `n_groups` groups pass the filters; returns them (oldest first when pooling) and the metrics.
 
@@ -71,7 +71,8 @@ def collect_rollouts(
     feeder thread's error then surfaces here instead of a generic timeout). The timeout counts from the last
     group received. `pool` is read and left holding the groups carried to the next step; `urgent(version)` returns
     the data positions (`rollout.prompt.position`) to wait for before taking newer groups, for at most
-    `straggler_wait_s` once `n_groups` are held. After `zero_variance_budget`
+    `straggler` seconds (a number, or a `StragglerWait`, which is told what this step saw) once `n_groups` are
+    held. After `zero_variance_budget`
     zero-variance drops in one call, zero-variance groups are kept as fillers (`rollout/zero_variance_fillers`):
     the loss gives them no weight when it filters them (`loss.filter_zero_variance`), so the step trains on the
     groups with variance it has instead of sampling without end once most prompts are solved."""
@@ -99,17 +100,26 @@ def collect_rollouts(
                         version, filtered, DROP_WARNING_EVERY_S)
 
     full_since: list[float] = []  # when n_groups were first held
+    wait_s = straggler.current_s if isinstance(straggler, StragglerWait) else straggler
+    awaited: set[int] = set()  # urgent positions missing when the step became full
+    delays: list[float] = []  # how long after that each of them came
+    gave_up = [False]
 
     def enough() -> bool:
         if len(held) < n_groups:
             return False
         if urgent is None:
             return True
+        waiting = urgent(version) - {r.prompt.position for r in held}
         if not full_since:
             full_since.append(time.monotonic())
-        waiting = urgent(version) - {r.prompt.position for r in held}
-        return (not waiting or sum(staleness.last_chance(version, r) for r in held) >= n_groups
-                or time.monotonic() - full_since[0] >= straggler_wait_s)
+            awaited.update(waiting)
+        if not waiting or sum(staleness.last_chance(version, r) for r in held) >= n_groups:
+            return True
+        if time.monotonic() - full_since[0] >= wait_s:
+            gave_up[0] = True
+            return True
+        return False
 
     carried = list(pool or [])
     if pool is not None:
@@ -122,7 +132,7 @@ def collect_rollouts(
         if check is not None:
             check()
         try:
-            limit = deadline if not full_since else min(deadline, full_since[0] + straggler_wait_s)
+            limit = deadline if not full_since else min(deadline, full_since[0] + wait_s)
             rollout = get_rollout(max(0.0, min(poll_s, limit - time.monotonic())))
         except (queue.Empty, TimeoutError):
             rollout = None
@@ -134,8 +144,12 @@ def collect_rollouts(
                                  f"(has {len(held)}/{n_groups} groups for version {version}, dropped {filtered}"
                                  + (f", waiting for data positions {waiting[:8]}" if waiting else "") + ")")
         deadline = time.monotonic() + timeout_s
+        if full_since and rollout.prompt.position in awaited:
+            delays.append(time.monotonic() - full_since[0])
         admit(rollout)
     waited = clock() - start
+    if isinstance(straggler, StragglerWait) and full_since:
+        straggler.observe(delays, gave_up[0])
     if pool is not None:  # oldest first; ties by data position, so the choice does not depend on arrival order
         held.sort(key=lambda r: (r.oldest_version, r.prompt.position))
         pool.extend(held[n_groups:])
@@ -158,6 +172,9 @@ def collect_rollouts(
         # Completions that a weight update reached mid-generation (their tokens carry two or more versions).
         "rollout/in_flight_updated": float(sum(bool(c.version_boundaries) for r in kept for c in r.completions)),
         "rollout/carried": float(len(pool or [])),
+        # The straggler wait in force this step, and whether the step gave up on an urgent group (to be dropped).
+        "rollout/straggler_wait_s": float(wait_s) if wait_s != float("inf") else -1.0,
+        "rollout/straggler_gave_up": float(gave_up[0]),
         "rollout/zero_variance_fillers": float(sum(drop_zero_variance and is_zero_variance(r) for r in kept)),
     }
     return kept, metrics

@@ -20,10 +20,17 @@ class AsyncConfig:
     rollout_queue_size: int = 0
     """Bound of the rollout queue in groups; 0 means 2 x prompts per step."""
     straggler_wait_s: float = 0.5
-    """Once a step holds its groups, it may wait this much longer for in-flight groups that would be too stale
-    for the next step (it then trains the oldest groups it holds and carries the rest), instead of leaving them to
-    be dropped for lag. 0 takes groups as they arrive; a large value drops nothing for lag but waits for every
-    straggler. Single trainer host only (the feeder, on rank 0, knows what is in flight)."""
+    """Once a step holds its groups, it may wait for in-flight groups that would be too stale for the next step (it
+    then trains the oldest groups it holds and carries the rest), instead of leaving them to be dropped for lag.
+    This is the shortest such wait, where it starts; with `straggler_wait_adaptive` it grows when stragglers are
+    missed (a loaded machine, a slow host) and shrinks back as they come quickly (`staleness.StragglerWait`). 0
+    takes groups as they arrive. Single trainer host only (the feeder, on rank 0, knows what is in flight)."""
+    straggler_wait_adaptive: bool = True
+    """Adapt the straggler wait to what it measures: doubled (up to `straggler_wait_max_s`) after a step gave up on
+    a straggler, which is then dropped for lag; otherwise 10% shorter a step, but never under twice the longest
+    delay a waited-for straggler took, nor under `straggler_wait_s`. False: always `straggler_wait_s`."""
+    straggler_wait_max_s: float = 8.0
+    """The longest the adaptive straggler wait grows to."""
     zero_variance_budget: float = 8.0
     """With `loss.filter_zero_variance` (DAPO's dynamic sampling): at most this many times a step's groups are
     dropped for zero variance per step. Past it, zero-variance groups fill the batch with zero loss weight (the step
@@ -40,6 +47,8 @@ class AsyncConfig:
         check("async.rollout_queue_size", self.rollout_queue_size, self.rollout_queue_size >= 0, ">= 0")
         check("async.park_timeout_s", self.park_timeout_s, self.park_timeout_s > 0, "> 0")
         check("async.straggler_wait_s", self.straggler_wait_s, self.straggler_wait_s >= 0, ">= 0")
+        check("async.straggler_wait_max_s", self.straggler_wait_max_s,
+              self.straggler_wait_max_s >= self.straggler_wait_s, f">= async.straggler_wait_s={self.straggler_wait_s}")
         check("async.zero_variance_budget", self.zero_variance_budget, self.zero_variance_budget >= 0, ">= 0")
 
 

@@ -17,12 +17,13 @@ wasted.
 Urgent groups. Groups finish out of order, so a step that takes whatever arrives first can take the next step's
 quick groups and leave its own stragglers to come back too stale. A prompt released at version r is at least
 `version - r` stale when it comes back; once that is max_lag, the step training on `version` is its last chance:
-it is urgent, and the collector waits for it (up to `async.straggler_wait_s`) before taking newer groups.
+it is urgent, and the collector waits for it (up to `StragglerWait.current_s`) before taking newer groups.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
 from asyncrl.rollout import Rollout
 
 
@@ -51,3 +52,32 @@ class Staleness:
         """Of the in-flight positions (-> the synced version when each was released), those a step training on
         `version` must wait for: they cannot be trained by a later step."""
         return {p for p, r in released_at.items() if r <= version - self.max_lag}
+
+
+@dataclass
+class StragglerWait:
+    """How long a step that already holds its groups waits for its urgent ones, adapted to what it measures.
+
+    A fixed wait is wrong somewhere: on a quiet machine stragglers arrive within a fraction of a second, while on a
+    loaded one (or with a slow host, a long tail of completion lengths) they take longer, miss the wait, and come
+    back one version too stale: a lag drop, their decode wasted, a replacement to generate. The collector reports
+    each step (`observe`): the delays of the urgent groups it waited for, and whether it gave up on some. A give-up
+    doubles the wait (up to `cap_s`); a step whose stragglers all came in time shortens it by 10%, but never below
+    twice the longest delay just seen, nor below `floor_s`. The trainer idles only until its urgent groups arrive,
+    so a long wait costs nothing while they come quickly."""
+
+    floor_s: float = 0.5
+    cap_s: float = 8.0
+    adaptive: bool = True
+    current_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.current_s = self.floor_s
+
+    def observe(self, delays: list[float], gave_up: bool) -> None:
+        if not self.adaptive:
+            return
+        if gave_up:
+            self.current_s = min(self.cap_s, max(2.0 * self.current_s, 0.1))
+        else:
+            self.current_s = min(self.cap_s, max(self.floor_s, 0.9 * self.current_s, 2.0 * max(delays, default=0.0)))

@@ -30,7 +30,7 @@ from asyncrl.orchestration.feeder import Feeder
 from asyncrl.orchestration.messages import GroupConsumed, WeightSync
 from asyncrl.orchestration.metrics import RayGauges, inference_means
 from asyncrl.orchestration.rollout_log import drop_record, log_rollouts, rollouts_path
-from asyncrl.orchestration.staleness import Staleness
+from asyncrl.orchestration.staleness import Staleness, StragglerWait
 from asyncrl.orchestration.trainer_setup import build_trainer
 from asyncrl.tasks import build_task
 
@@ -46,6 +46,8 @@ class TrainerWorker:
         self.inference_hosts = jax.process_count() - self.tw
         self.P = cfg.prompts_per_step
         self.staleness = Staleness(cfg.async_.max_lag)
+        a = cfg.async_
+        self.straggler = StragglerWait(a.straggler_wait_s, a.straggler_wait_max_s, a.straggler_wait_adaptive)
         self.stop = threading.Event()
         self.feeder: Feeder | None = None
         self.evals: Evals | None = None
@@ -168,7 +170,7 @@ class TrainerWorker:
                     cfg.loss.filter_zero_variance, cfg.async_.queue_timeout_s, who=f"trainer{self.rank}",
                     on_consumed=self._on_consumed(step, drops), check=self._check, pool=pool, urgent=urgent,
                     zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),
-                    straggler_wait_s=cfg.async_.straggler_wait_s,
+                    straggler=self.straggler,
                 )
                 rollouts.sort(key=lambda r: r.prompt.position)  # by data position: same batch order whatever arrived first
                 batch = build_batch(rollouts, cfg.loss, cfg.train.pad_to_multiple)
