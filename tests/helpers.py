@@ -183,3 +183,48 @@ def multihost_setup() -> SimpleNamespace:
         sharding_cfg=ShardingConfig(mesh=MeshConfig(dp=2, fsdp=4), min_bytes_for_fsdp=0),
         steps=steps,
     )
+
+
+# ---- the data stream of a finished run ---------------------------------------------------------------------------
+
+
+def check_data_positions(run_dir: str, steps: int, groups_per_step: int) -> dict[str, set[int]]:
+    """What a run's rollout logs (every trainer rank's, `logging.rollouts_every_n_steps=1`) and its final checkpoint
+    say about the data stream, asserted: every step logged once per rank; no position trained twice or both trained
+    and dropped; every position the final checkpoint says was released is trained, dropped or still in flight, and
+    nothing else. Needs `checkpoint.every_n_steps` to divide `steps`. Returns the sets."""
+    from asyncrl.orchestration import jsonl
+
+    trained: list[int] = []
+    dropped: list[int] = []
+    paths = sorted(p for p in os.listdir(run_dir) if p.startswith("rollouts") and p.endswith(".jsonl"))
+    assert paths, f"no rollout logs in {run_dir}"
+    for p in paths:
+        records = jsonl.read(os.path.join(run_dir, p))
+        steps_logged = sorted({r["step"] for r in records if "completions" in r})
+        assert steps_logged == list(range(1, steps + 1)), (p, steps_logged)
+        trained += [r["position"] for r in records if "completions" in r]
+        dropped += [r["position"] for r in records if "dropped" in r]
+    assert len(trained) == steps * groups_per_step, (len(trained), steps * groups_per_step)
+    assert len(set(trained)) == len(trained), sorted(p for p in set(trained) if trained.count(p) > 1)
+    assert len(set(dropped)) == len(dropped) and not set(trained) & set(dropped), sorted(set(trained) & set(dropped))
+    with open(os.path.join(run_dir, "checkpoints", str(steps), "meta", "metadata")) as f:
+        meta = json.load(f)
+    in_flight = set(meta["in_flight"])
+    released = set(range(meta["position"]))
+    assert released == set(trained) | set(dropped) | in_flight, sorted(released ^ (set(trained) | set(dropped) | in_flight))
+    assert not in_flight & (set(trained) | set(dropped))
+    assert meta["dropped"] == len(dropped), (meta["dropped"], len(dropped))
+    return {"trained": set(trained), "dropped": set(dropped), "in_flight": in_flight}
+
+
+def kl_jumps(rows_: list[dict], resumed_at: list[int], factor: float = 2.0, slack: float = 0.05) -> list[str]:
+    """`train/kl` at the first step after each resume point, against the steps just before it: a reference reset to
+    the random init made it jump (0.3 -> 4.5); a kept one goes on."""
+    kl = {r["step"]: r["train/kl"] for r in rows_ if "train/kl" in r}
+    out = []
+    for s in resumed_at:
+        before = [kl[t] for t in range(max(1, s - 2), s + 1) if t in kl]
+        if s + 1 in kl and before and kl[s + 1] > factor * max(before) + slack:
+            out.append(f"train/kl {before} -> {kl[s + 1]:.3f} at step {s + 1} (resumed from {s})")
+    return out

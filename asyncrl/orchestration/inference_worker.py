@@ -235,7 +235,9 @@ class InferenceWorker:
 
     def _replica_loop(self, engine: Engine) -> None:
         try:
-            engine.between_loops = lambda: self._maybe_update(engine)
+            slow = faults.slowdown(self.rank)  # fault injection: a slow host (0 in normal runs)
+            engine.between_loops = (lambda: self._maybe_update(engine)) if not slow else \
+                (lambda: (time.sleep(slow), self._maybe_update(engine)))
             on_group = lambda r: self._on_group(r, engine)  # noqa: E731
             last_report = time.time()
             while not self.stop.is_set():
