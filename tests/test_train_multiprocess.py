@@ -46,6 +46,7 @@ def test_two_processes_match_one(tmp_path):
                 p.kill()
     for i, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"worker {i} failed:\n{log[-4000:]}"
+        assert "LOADED ok=True" in log, log[-3000:]  # host weights onto a mesh spanning both processes
 
     setup = multihost_setup()
     ref = Trainer(setup.model, setup.train_cfg, setup.loss_cfg,

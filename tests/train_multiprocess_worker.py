@@ -52,6 +52,18 @@ def main() -> None:
         metrics.pop("train/step_time_s")
         history.append(metrics)
 
+    # Loading weights held on one local device onto a trainer mesh that spans both processes (what the cached
+    # format warm-start and a checkpoint folder do): device_put refuses them for devices this process cannot address.
+    from tests.helpers import random_params
+
+    host_params = random_params(setup.model.cfg, seed=7)
+    other = Trainer(setup.model, setup.train_cfg, setup.loss_cfg, setup.sharding_cfg)
+    other.load(jax.device_put(host_params, jax.local_devices()[0]))  # as `from_pretrained` returns them
+    loaded = all(np.array_equal(np.asarray(s.data), leaf[s.index])
+                 for arr, leaf in zip(jax.tree.leaves(other.params), jax.tree.leaves(host_params))
+                 for s in arr.addressable_shards)
+    print(f"LOADED ok={loaded}", flush=True)
+
     full = multihost_utils.process_allgather(trainer.params, tiled=True)
     if args.process_id == 0:
         leaves = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(full)}

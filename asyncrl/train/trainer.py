@@ -33,6 +33,20 @@ MASTER_DTYPE = jnp.float32
 log = logging.getLogger(__name__)
 
 
+def place(tree: Any, shardings: Any) -> Any:
+    """Put `tree` on `shardings`. A trainer mesh that spans several hosts is not addressable from one process, and
+    `jax.device_put` refuses host data for it: there each process builds the global array from its own full copy
+    of the values (every trainer host holds the same ones: a checkpoint folder, the cached warm-start)."""
+
+    def one(x: Any, sh: Any) -> Any:
+        if getattr(sh, "is_fully_addressable", True) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, sh)  # host data for local devices, or a global array resharded
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+    return jax.tree.map(one, tree, shardings)
+
+
 class Trainer:
     """Owns the fp32 master params and AdamW state on the ("dp", "fsdp", "cp") mesh.
 
@@ -109,7 +123,7 @@ class Trainer:
 
     def load(self, params: Params) -> None:
         """Start from given weights (any dtype/placement): cast to fp32 and moved onto the trainer shardings."""
-        placed = jax.device_put(params, self.shardings.params)  # from numpy, another mesh or another dtype
+        placed = place(params, self.shardings.params)  # from numpy, another mesh or another dtype
         with jax.set_mesh(self.mesh):
             self.params = self._cast_fn(MASTER_DTYPE)(placed)
         if self.rng is None:
@@ -127,7 +141,7 @@ class Trainer:
         """Make `params` (any placement and dtype) the KL reference: cast to the reference dtype, on its shardings.
         A resumed run restores the reference it started with this way (`orchestration/trainer_setup.py`)."""
         dtype = self.ref_dtype
-        placed = jax.device_put(params, self.shardings.params)
+        placed = place(params, self.shardings.params)
         with jax.set_mesh(self.mesh):
             self.ref_params = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.ref_shardings)(placed)
 
@@ -151,9 +165,9 @@ class Trainer:
         self.version = int(state["version"])
         self.rng = None if state.get("rng") is None else jax.random.wrap_key_data(np.asarray(state["rng"]))
         if params is not None:
-            self.params = jax.device_put(params, self.shardings.params)
+            self.params = place(params, self.shardings.params)
         if opt_state is not None:
-            self.opt_state = jax.device_put(opt_state, self.shardings.opt_state)
+            self.opt_state = place(opt_state, self.shardings.opt_state)
         elif params is not None:
             self._init_opt_state()
 
