@@ -13,10 +13,11 @@ import jax
 import numpy as np
 import pytest
 
+from asyncrl.models import save_pretrained
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig
 from asyncrl.train.trainer import Trainer
-from tests.helpers import multihost_setup
+from tests.helpers import multihost_setup, random_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,9 +32,12 @@ def _free_port() -> int:
 def test_two_processes_match_one(tmp_path):
     out = tmp_path / "worker0.npz"
     port = _free_port()
+    setup = multihost_setup()
+    hf = str(tmp_path / "hf")
+    save_pretrained(setup.model, random_params(setup.model.cfg, seed=7), hf)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "train_multiprocess_worker.py"),
-                               "--process-id", str(i), "--port", str(port), "--out", str(out)],
+                               "--process-id", str(i), "--port", str(port), "--out", str(out), "--hf", hf],
                               env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     logs = []
@@ -46,9 +50,8 @@ def test_two_processes_match_one(tmp_path):
                 p.kill()
     for i, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"worker {i} failed:\n{log[-4000:]}"
-        assert "LOADED ok=True" in log, log[-3000:]  # host weights onto a mesh spanning both processes
+        assert "LOADED ok=True" in log, log[-3000:]  # a folder's weights onto a mesh spanning both processes
 
-    setup = multihost_setup()
     ref = Trainer(setup.model, setup.train_cfg, setup.loss_cfg,
                   ShardingConfig(mesh=MeshConfig(dp=1, fsdp=1), min_bytes_for_fsdp=0), devices=jax.devices()[:1])
     ref.init(jax.random.key(0))

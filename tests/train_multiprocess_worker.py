@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--hf", required=True, help="a Hugging Face folder of random_params(tiny, seed=7)")
     args = ap.parse_args()
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -52,13 +53,16 @@ def main() -> None:
         metrics.pop("train/step_time_s")
         history.append(metrics)
 
-    # Loading weights held on one local device onto a trainer mesh that spans both processes (what the cached
-    # format warm-start and a checkpoint folder do): device_put refuses them for devices this process cannot address.
+    # Loading a Hugging Face folder onto a trainer mesh that spans both processes (what the cached format warm-start
+    # and model.path do): every process reads the folder onto one of its own devices, then into the global mesh.
+    from asyncrl.models import from_pretrained
     from tests.helpers import random_params
 
     host_params = random_params(setup.model.cfg, seed=7)
+    _, local = from_pretrained(args.hf)
+    assert all(d.process_index == jax.process_index() for x in jax.tree.leaves(local) for d in x.devices())
     other = Trainer(setup.model, setup.train_cfg, setup.loss_cfg, setup.sharding_cfg)
-    other.load(jax.device_put(host_params, jax.local_devices()[0]))  # as `from_pretrained` returns them
+    other.load(local)
     loaded = all(np.array_equal(np.asarray(s.data), leaf[s.index])
                  for arr, leaf in zip(jax.tree.leaves(other.params), jax.tree.leaves(host_params))
                  for s in arr.addressable_shards)

@@ -176,7 +176,8 @@ def from_pretrained(
     shardings = model.param_shardings(mesh, dtype) if mesh is not None else None
     leaves: dict[str, jax.Array] = {}
     for e, spec in entries:
-        sharding = _get_leaf(shardings, e.leaf) if shardings is not None else SingleDeviceSharding(jax.devices()[0])
+        # Without a mesh: this process's first device (jax.devices()[0] belongs to process 0 in a multi-host job).
+        sharding = _get_leaf(shardings, e.leaf) if shardings is not None else SingleDeviceSharding(jax.local_devices()[0])
         leaves[e.leaf] = _load_leaf(index, e, spec, cfg, sharding, np_dtype)
     tree = jax.tree.map(lambda s: None, params_lib.abstract(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
     return model, _fill(tree, leaves)
