@@ -127,7 +127,7 @@ def test_chaos_three_kills_one_during_a_weight_sync(tmp_path, variant):
 
     # The KL reference survived every restart.
     if "loss.kl_coef=0.05" in args:
-        resumed = [int(x) for x in re.findall(r"from checkpoint step (\d+)", err)]
+        resumed = [int(x) for x in re.findall(r"\[asyncrl\] resuming .* from checkpoint step (\d+)", err)]
         assert len(resumed) == 3 and not kl_jumps(rows(run_dir), resumed), (schedule, kl_jumps(rows(run_dir), resumed))
 
     # The final policy was exported, and is finite.

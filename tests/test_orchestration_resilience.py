@@ -169,7 +169,7 @@ KL = [*TINY, "train.format_warmstart_steps=150", "loss.kl_coef=0.05", "checkpoin
 
 
 def _resumed_at(stderr):
-    return [int(x) for x in re.findall(r"resuming .* from checkpoint step (\d+)", stderr)]
+    return [int(x) for x in re.findall(r"\[asyncrl\] resuming .* from checkpoint step (\d+)", stderr)]
 
 
 @pytest.mark.parametrize("max_lag", [0, 2])
