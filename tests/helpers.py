@@ -218,13 +218,17 @@ def check_data_positions(run_dir: str, steps: int, groups_per_step: int) -> dict
     return {"trained": set(trained), "dropped": set(dropped), "in_flight": in_flight}
 
 
-def kl_jumps(rows_: list[dict], resumed_at: list[int], factor: float = 2.0, slack: float = 0.05) -> list[str]:
-    """`train/kl` at the first step after each resume point, against the steps just before it: a reference reset to
-    the random init made it jump (0.3 -> 4.5); a kept one goes on."""
+def kl_jumps(rows_: list[dict], resumed_at: list[int], slack: float = 1.0) -> list[str]:
+    """`train/kl` at the first step after each resume point, against every step before it. A reference reset to
+    the random init makes it jump to the KL of the policy against a near-uniform model, about log(vocab) less the
+    policy's entropy: 4.5 in the run the issue reports (0.26-0.38 before); 4.3 for the tiny model after its format
+    warm-start (measured: k3 over 256 of its own completions of digits prompts). Small-batch
+    runs are noisy step to step (0.05 -> 0.87 with no resume in between), so the bound is absolute: no higher than
+    the run has been, plus `slack`."""
     kl = {r["step"]: r["train/kl"] for r in rows_ if "train/kl" in r}
     out = []
     for s in resumed_at:
-        before = [kl[t] for t in range(max(1, s - 2), s + 1) if t in kl]
-        if s + 1 in kl and before and kl[s + 1] > factor * max(before) + slack:
-            out.append(f"train/kl {before} -> {kl[s + 1]:.3f} at step {s + 1} (resumed from {s})")
+        before = [kl[t] for t in kl if t <= s]
+        if s + 1 in kl and before and kl[s + 1] > max(before) + slack:
+            out.append(f"train/kl up to {max(before):.3f} before step {s + 1}, then {kl[s + 1]:.3f} (resumed from {s})")
     return out
