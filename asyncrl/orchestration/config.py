@@ -26,9 +26,10 @@ class AsyncConfig:
     missed (a loaded machine, a slow host) and shrinks back as they come quickly (`staleness.StragglerWait`). 0
     takes groups as they arrive. Single trainer host only (the feeder, on rank 0, knows what is in flight)."""
     straggler_wait_adaptive: bool = True
-    """Adapt the straggler wait to what it measures: doubled (up to `straggler_wait_max_s`) after a step gave up on
-    a straggler, which is then dropped for lag; otherwise 10% shorter a step, but never under twice the longest
-    delay a waited-for straggler took, nor under `straggler_wait_s`. False: always `straggler_wait_s`."""
+    """Adapt the straggler wait to what it measures: doubled after a step gave up on a straggler (which is then
+    dropped for lag), else 10% shorter but at least twice the longest delay a waited-for straggler took; never
+    under `straggler_wait_s`, never over `straggler_wait_max_s` nor the trainer's own busy time per step (waiting
+    longer than it works does not pay). False: always `straggler_wait_s`."""
     straggler_wait_max_s: float = 8.0
     """The longest the adaptive straggler wait grows to."""
     zero_variance_budget: float = 8.0

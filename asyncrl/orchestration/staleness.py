@@ -58,26 +58,38 @@ class Staleness:
 class StragglerWait:
     """How long a step that already holds its groups waits for its urgent ones, adapted to what it measures.
 
-    A fixed wait is wrong somewhere: on a quiet machine stragglers arrive within a fraction of a second, while on a
-    loaded one (or with a slow host, a long tail of completion lengths) they take longer, miss the wait, and come
-    back one version too stale: a lag drop, their decode wasted, a replacement to generate. The collector reports
-    each step (`observe`): the delays of the urgent groups it waited for, and whether it gave up on some. A give-up
-    doubles the wait (up to `cap_s`); a step whose stragglers all came in time shortens it by 10%, but never below
-    twice the longest delay just seen, nor below `floor_s`. The trainer idles only until its urgent groups arrive,
-    so a long wait costs nothing while they come quickly."""
+    A fixed wait is wrong somewhere: on a quiet machine stragglers arrive within a fraction of a second, while with
+    a long tail of completion lengths, or big models whose steps take many seconds, they take longer, miss the wait,
+    and come back one version too stale: a lag drop, their decode wasted, a replacement to generate. The collector
+    reports each step (`observe`): the delays of the urgent groups it waited for, and whether it gave up on some. A
+    give-up doubles the wait; a step whose stragglers all came in time shortens it by 10%, but never below twice the
+    longest delay just seen, nor below `floor_s`.
+
+    Waiting must pay for itself: a waiting trainer idles, and holds back the release of the next step's prompts. So
+    the wait never exceeds the trainer's own busy time per step (`note_busy`: its step time less its waits, a running
+    mean), nor `cap_s`: the trainer idles for stragglers at most as long as it works. Measured with one inference
+    host 3x slower than the other (benchmarks/README.md): waiting up to 8 s cut its lag drops from 10 % to 1.1 % but
+    doubled the wall time; bounded by the busy time, the wait stays at the floor there, as it should."""
 
     floor_s: float = 0.5
     cap_s: float = 8.0
     adaptive: bool = True
     current_s: float = field(init=False)
+    busy_s: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self.current_s = self.floor_s
 
+    def note_busy(self, seconds: float) -> None:
+        """A step's working time (its wall time less its waits for groups)."""
+        self.busy_s = seconds if self.busy_s == 0.0 else 0.8 * self.busy_s + 0.2 * seconds
+
     def observe(self, delays: list[float], gave_up: bool) -> None:
         if not self.adaptive:
             return
+        bound = max(self.floor_s, min(self.cap_s, self.busy_s if self.busy_s > 0 else self.cap_s))
         if gave_up:
-            self.current_s = min(self.cap_s, max(2.0 * self.current_s, 0.1))
+            want = max(2.0 * self.current_s, 0.1)
         else:
-            self.current_s = min(self.cap_s, max(self.floor_s, 0.9 * self.current_s, 2.0 * max(delays, default=0.0)))
+            want = max(0.9 * self.current_s, 2.0 * max(delays, default=0.0))
+        self.current_s = min(bound, max(self.floor_s, want))

@@ -183,6 +183,8 @@ class TrainerWorker:
                 row: dict[str, Any] = {"step": step, **metrics, **sync_m, "weight_version": tr.version,
                                        "train/tokens_per_s": n_tokens / max(metrics.get("train/step_time_s", 1e-9), 1e-9),
                                        "step_time_s": time.perf_counter() - t0}
+                # The straggler wait is bounded by the trainer's busy time per step (staleness.StragglerWait).
+                self.straggler.note_busy(row["step_time_s"] - host_m["rollout/queue_wait_s_max"])
                 if step == total:
                     self.stop.set()
                     if self.feeder is not None:  # no more train prompts: inference goes to the final eval
