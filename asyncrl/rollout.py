@@ -9,12 +9,17 @@ token out). Neutral ground: inference produces them and train consumes them, and
   in force when each token was sampled, so staleness is known per token and not only per sample; and the version
   that computed the prompt's cache, which the lag counts too.
 - `Rollout`: a prompt and its group of completions.
+- `Environment`: what a completion is sampled in. It opens the episode (the prompt's token ids), then answers each
+  model `Turn` with a `StepResult`: an observation to append (token ids), a reward, done. A single-turn task is a
+  one-step environment (its step grades the answer with the task's verifier), so there is one rollout path. A
+  multi-turn completion keeps the observations in its token arrays as forced tokens: the trajectory is exactly the
+  ids the sampler saw, never re-tokenized, and the loss leaves the observations out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -71,11 +76,17 @@ class Completion:
     forced: np.ndarray  # [n] bool, True where the engine forced the token instead of sampling it
     versions: np.ndarray  # [n] int32, weight version in force when each token was produced
     prompt_version: int | None = None  # the version that computed the prompt's KV cache (the prefill's)
-    text: str = ""
-    finish_reason: str = "eos"  # "eos" (sampled EOS) or "length" (forced at max_seq_len)
+    text: str = ""  # the last model turn's text (the answer graded); `Turn.text` of each turn is in `turn_texts`
+    finish_reason: str = "eos"  # how the last turn ended: "eos", "stop" (a stop sequence) or "length"
     ended_thinking: bool = False  # an end-of-think token was sampled or forced (reasoning budget)
     reward: float | None = None
     reason: str | None = None
+    turns: np.ndarray | None = None  # [n] int32, the model turn each token belongs to (observations: the turn
+    #                                  they answer); None: one turn
+    observation: np.ndarray | None = None  # [n] bool, tokens the environment appended (also `forced`)
+    end_reason: str = "done"  # why the episode ended: "done" (the environment), "max_turns", "context", "obs_cap"
+    turn_texts: list[str] = field(default_factory=list)
+    env_s: float = 0.0  # seconds spent in environment steps
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -84,6 +95,18 @@ class Completion:
                 f"completion arrays disagree: tokens={n} logprobs={len(self.logprobs)} "
                 f"forced={len(self.forced)} versions={len(self.versions)}"
             )
+        for name in ("turns", "observation"):
+            a = getattr(self, name)
+            if a is not None and len(a) != n:
+                raise ValueError(f"completion arrays disagree: tokens={n} {name}={len(a)}")
+
+    @property
+    def n_turns(self) -> int:
+        return 1 if self.turns is None or not len(self.turns) else int(self.turns.max()) + 1
+
+    @property
+    def observation_tokens(self) -> int:
+        return 0 if self.observation is None else int(self.observation.sum())
 
     @property
     def oldest_version(self) -> int:
@@ -141,3 +164,41 @@ class Rollout:
         if any(c.reward is None for c in self.completions):
             raise ValueError(f"rollout of {self.prompt.id} (data position {self.prompt.position}) has unscored completions")
         return np.asarray([c.reward for c in self.completions], np.float32)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn, as an environment sees it: the exact sampled ids (never re-tokenized), their text, its
+    index, how it ended ("eos", "stop", "length"), and whether it is the last the engine allows (`max_turns`, the
+    context): the environment must then end the episode (`done`) and give its final reward."""
+
+    tokens: np.ndarray
+    text: str
+    index: int
+    finish: str
+    last: bool
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """An environment's answer to a turn: the observation's token ids to append before the next turn (rendered with
+    the chat template's turn delimiters, encoded once), the reward, and whether the episode is over."""
+
+    observation: Sequence[int] | None
+    reward: float
+    done: bool
+    reason: str | None = None  # for logs and metrics: "correct", "tool_error", ...
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """An episode, created per sampled trajectory. `reset` opens it with the prompt's token ids (every trajectory
+    of a group opens identically); `step` answers each model turn. `step` may be slow (a tool, a game, a verifier):
+    the engine runs it off its decode thread. `stop`: token sequences that end a model turn besides EOS (a tool
+    call's closing tag)."""
+
+    stop: tuple[tuple[int, ...], ...]
+
+    def reset(self) -> list[int]: ...
+
+    def step(self, turn: Turn) -> StepResult: ...

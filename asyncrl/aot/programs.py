@@ -117,6 +117,14 @@ def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None 
         programs.append(Program(
             f"prefill[{b}]", "inference", e_chips, lambda b=b: engine.lower_prefill(b), tokens, b, "call",
             2.0 * n * tokens / e_chips, weights))
+    if engine.Q:  # multi-turn: a continuation's observation appended to its parked cache, at every bucket
+        park = shard_bytes(engine.abstract_park())
+        for b in engine.prefill_buckets():
+            tokens = cfg.inference.max_prefill_prompts * b
+            # Ideal: the weights, and the history read from the park rows (at most a whole cache row each).
+            programs.append(Program(
+                f"extend[{b}]", "inference", e_chips, lambda b=b: engine.lower_extend(b), tokens, b, "call",
+                2.0 * n * tokens / e_chips, weights + park * cfg.inference.max_prefill_prompts / engine.Q))
     if only:
         programs = [p for p in programs if any(p.name.startswith(o) for o in only)]
     return programs

@@ -42,6 +42,19 @@ class InferenceConfig:
     """Dtype of the weights the trainer sends to inference."""
     kv_cache_dtype: str = "bfloat16"
     """Dtype of the KV cache."""
+    max_turns: int = 1
+    """Model turns per episode. 1: a single-turn task (one decode, graded once), compiled exactly as it always was.
+    More: after each turn the task's environment answers with an observation, appended to the row's KV cache, and
+    the row decodes again; the turn `max_turns` tells the environment it is the last."""
+    max_observation_tokens: Optional[int] = None
+    """Cap on one observation's tokens: a longer one ends the episode (`end_reason` "obs_cap"). None: only the
+    context (max_seq_len) limits."""
+    max_parked_rows: Optional[int] = None
+    """Rows of saved KV cache for episodes waiting on their environment, so their decode slots serve other rows
+    meanwhile (None: max_decode_batch_size). An episode that finds the store full keeps going by re-prefilling its
+    history when its observation comes (correct, slower). Only with max_turns > 1."""
+    env_workers: int = 16
+    """Threads that run environment steps (tools, games, the verifier) off the decode thread."""
 
     def __post_init__(self) -> None:
         check("inference.group_size", self.group_size, self.group_size >= 1, ">= 1")
@@ -61,11 +74,26 @@ class InferenceConfig:
         check_choice("inference.replica_mode", self.replica_mode, ("threads", "spmd"))
         check_choice("inference.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
         check_choice("inference.kv_cache_dtype", self.kv_cache_dtype, ("float32", "bfloat16", "float16"))
+        check("inference.max_turns", self.max_turns, self.max_turns >= 1, ">= 1")
+        if self.max_observation_tokens is not None:
+            check("inference.max_observation_tokens", self.max_observation_tokens, self.max_observation_tokens >= 1,
+                  "null or >= 1")
+        if self.max_parked_rows is not None:
+            check("inference.max_parked_rows", self.max_parked_rows, self.max_parked_rows >= 1, "null or >= 1")
+        check("inference.env_workers", self.env_workers, self.env_workers >= 1, ">= 1")
 
     @property
     def generation_budget(self) -> int:
-        """The most tokens one completion can hold, its closing EOS included: max_new_tokens sampled ones plus
-        the EOS slot, or, with only max_seq_len limiting, max_seq_len less the shortest (one-token) prompt."""
+        """The most model tokens one completion can hold, closing EOS included: max_new_tokens sampled ones plus
+        the EOS slot per turn, or, with only max_seq_len limiting, max_seq_len less the shortest (one-token)
+        prompt. (Observation tokens are not model tokens: the loss never counts them.)"""
         if self.max_new_tokens is not None:
-            return min(self.max_new_tokens + 1, self.max_seq_len - 1)
+            return min(self.max_turns * (self.max_new_tokens + 1), self.max_seq_len - 1)
         return self.max_seq_len - 1
+
+    @property
+    def parked_rows(self) -> int:
+        """Rows of the park store: 0 for a single-turn engine."""
+        if self.max_turns == 1:
+            return 0
+        return self.max_parked_rows if self.max_parked_rows is not None else self.max_decode_batch_size

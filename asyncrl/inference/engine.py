@@ -1,4 +1,5 @@
-"""One inference replica: bucketed prefill, a jitted decode loop, and continuous batching on the host.
+"""One inference replica: bucketed prefill, a jitted decode loop, and continuous batching on the host, with the
+turns of multi-turn episodes.
 
 Compiled programs (`programs.py`, which the engine extends with the host side):
 - `prefill`, memoized per power-of-two prompt bucket (at most log2(max_seq_len) programs);
@@ -10,13 +11,22 @@ Compiled programs (`programs.py`, which the engine extends with the host side):
 When a prompt batch's queue runs dry the in-flight rows are *not* drained: they are carried into the next
 prompt batch (`generate(..., drain=False)`), so there is no straggler tail. Between decode loops the engine
 calls `between_loops()`, the hook where the orchestration swaps in new weights (`set_params`).
+
+Episodes. Each sample runs in its environment (`Request.envs`, one per sample; none: plain generation). A row
+that ends its turn leaves the decode batch at once; its environment steps on a worker thread
+(`inference.env_workers`) while the other rows decode. A single-turn environment grades the answer and ends the
+episode. Otherwise its observation comes back, the row's saved cache (the park store) is extended with it
+(`extend`), and the row rejoins the decode batch ahead of new prompts. A group is emitted once every episode in it
+has ended (`episodes.py`).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -26,12 +36,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.config import InferenceConfig
-from asyncrl.inference.programs import DecodePrograms, cpu_decode_layout
+from asyncrl.inference.episodes import Continuation, Episode, Group
+from asyncrl.inference.layout import cpu_decode_layout
+from asyncrl.inference.programs import DecodePrograms
+from asyncrl.inference.turns import EpisodeDriver
 from asyncrl.inference.state import DecodeState, FinishedRow
 from asyncrl.models import dense
 from asyncrl.models.tokenizer import Tokenizer, bucket_length
 from asyncrl.models.transformer import Model
-from asyncrl.rollout import Completion, Prompt, Rollout
+from asyncrl.rollout import Environment, Prompt, Rollout, Turn
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +67,12 @@ def place_params(params: Any, shardings: Any) -> Any:
 @dataclass
 class Request:
     """Work for the engine: `prompt.n` samples of these token ids. The `Prompt` rides along into the Rollout, and
-    its `uid` seeds the samples (with the engine seed)."""
+    its `uid` seeds the samples (with the engine seed). `envs`: one environment per sample, opened already (their
+    `reset` gave `tokens`); None generates without one (no reward)."""
 
     prompt: Prompt
     tokens: Sequence[int]
-
-
-@dataclass
-class _Group:
-    rollout: Rollout
-    pending: int
-    results: list = field(default_factory=list)  # completions by sample index, so output order is stable
-    extracted: int = 0  # samples whose finished row has come off the device (collected or not)
+    envs: Sequence[Environment] | None = None
 
 
 @dataclass
@@ -76,10 +83,16 @@ class EngineStats:
     generated_tokens: int = 0
     decode_time: float = 0.0  # seconds of decode loops, dispatch to device completion
     prefill_time: float = 0.0  # seconds of prefills, dispatch to device completion
+    extend_time: float = 0.0  # seconds of extends (multi-turn continuations)
+    env_steps: int = 0
+    env_time: float = 0.0  # seconds environments spent in their steps (on worker threads)
+    parked_full: int = 0  # continuations whose cache did not fit the park store (re-prefilled)
+    slot_steps: int = 0  # decode steps x rows live in them (occupancy: slot_steps / (decode_steps x batch))
+    slot_time: float = 0.0  # decode seconds x rows live in them
     extra: dict = field(default_factory=dict)
 
 
-class Engine(DecodePrograms):
+class Engine(EpisodeDriver, DecodePrograms):
     """A replica over `mesh` (None = default device): the host side of continuous batching over the compiled
     programs of `DecodePrograms`. Thread-safe for `set_params` vs. the decode thread."""
 
@@ -97,9 +110,10 @@ class Engine(DecodePrograms):
         version: int = 0,
         name: str = "replica0",
         substitute: str = "auto",
+        stop: Sequence[Sequence[int]] = (),
     ):
         super().__init__(model, cfg, tokenizer, eos_id=eos_id, pad_id=pad_id, mesh=mesh, seed=seed,
-                         substitute=substitute)
+                         substitute=substitute, stop=stop)
         self.name = name
         self._lock = threading.Lock()
         self.params = self._prepare(self._place(params))
@@ -107,10 +121,17 @@ class Engine(DecodePrograms):
         self.between_loops: Callable[[], None] = lambda: None
         self.stats = EngineStats()
         self._slot_counter = 0
-        self._slots: dict[int, tuple[_Group, int]] = {}
+        self._slots: dict[int, tuple[Group, int]] = {}
         self._in_flight = 0
         self._state: DecodeState | None = None
-        self._pending_rows: list[FinishedRow] = []
+        self._pending_rows: list[tuple[FinishedRow, int]] = []  # (row, the park row its cache went to or -1)
+        self._queue: collections.deque[tuple[DecodeState, int, tuple[Group, int]]] = collections.deque()
+        self._stepping: list[tuple[Future, Group, int, int, bool]] = []  # (step, group, sample, park row, last)
+        self._ready: list[Continuation] = []
+        self._park: Any = None
+        self._free_park: list[int] = list(range(self.Q))[::-1]
+        self._pool: ThreadPoolExecutor | None = None
+        self._emit: Callable[[Rollout], Any] | None = None
 
     # ---- params ---------------------------------------------------------------------------------------------
 
@@ -151,29 +172,37 @@ class Engine(DecodePrograms):
         for i, p in enumerate(prompts):
             if not 1 <= len(p) < self.S:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; must be in [1, max_seq_len={self.S})")
-        width = bucket_length(max(len(p) for p in prompts), self.cfg.min_prefill_bucket, self.S)
-        toks = np.full((self.P, width), self.pad_id, np.int32)
-        lens = np.ones((self.P,), np.int32)  # unused rows: a 1-token dummy, never inserted
-        for i, p in enumerate(prompts):
-            toks[i, : len(p)] = p
-            lens[i] = len(p)
+        toks, lens = self._padded(prompts)
         with self._lock:
             params, version = self.params, np.int32(self.version)
         t0 = time.perf_counter()
-        if self.mesh is not None:
-            rep = NamedSharding(self.mesh, P())
-            with jax.set_mesh(self.mesh):  # tracing needs the mesh for explicit-sharding rules (thread-local)
-                state = self._prefill(params, jax.device_put(toks, rep), jax.device_put(lens, rep),
-                                      jax.device_put(version, rep))
-        else:
-            state = self._prefill(params, jnp.asarray(toks), jnp.asarray(lens), version)
+        state = self._run(self._prefill, params, toks, lens, version)
         jax.block_until_ready(state.kv)
         self.stats.prefill_time += time.perf_counter() - t0
         return state
 
+    def _padded(self, rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """[P, bucket] right-padded ids and [P] lengths; unused rows are a 1-token dummy, never inserted."""
+        width = bucket_length(max(len(p) for p in rows), self.cfg.min_prefill_bucket, self.S)
+        toks = np.full((self.P, width), self.pad_id, np.int32)
+        lens = np.ones((self.P,), np.int32)
+        for i, p in enumerate(rows):
+            toks[i, : len(p)] = p
+            lens[i] = len(p)
+        return toks, lens
+
+    def _run(self, fn: Any, params: Any, *host: Any, device: tuple = ()) -> Any:
+        """`fn(params, *device, *host)` with the host arrays placed replicated on this replica's mesh."""
+        if self.mesh is None:
+            return fn(params, *device, *(jnp.asarray(x) for x in host))
+        rep = NamedSharding(self.mesh, P())
+        with jax.set_mesh(self.mesh):  # tracing needs the mesh for explicit-sharding rules (thread-local)
+            return fn(params, *device, *(jax.device_put(x, rep) for x in host))
+
     def generate(self, requests: Sequence[Request], drain: bool = True, on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
-        """Sample every request `n` times. With drain=False, rows still in flight when the queue empties are
-        carried into the next call; finished groups are returned (and passed to `on_group`) as they complete."""
+        """Sample every request `n` times, each sample in its own environment. With drain=False, rows still in
+        flight (or waiting on their environments) when the queue empties are carried into the next call; finished
+        groups are returned (and passed to `on_group`) as they complete."""
         done: list[Rollout] = []
 
         def emit(r: Rollout) -> None:
@@ -181,25 +210,26 @@ class Engine(DecodePrograms):
             if on_group is not None:
                 on_group(r)
 
+        self._emit = emit
         if self._state is None:
             self._state = self._new_state()
+            if self.Q:
+                self._park = self._new_park()
         for start in range(0, len(requests), self.P):
             chunk = requests[start : start + self.P]
             prefill = self.prefill([r.tokens for r in chunk])
-            queue: list[tuple[int, _Group, int]] = []
             for i, r in enumerate(chunk):
-                rollout = Rollout(prompt=r.prompt, prompt_tokens=np.asarray(r.tokens, np.int32), worker=self.name)
                 n = r.prompt.n
-                g = _Group(rollout, n, [None] * n)
-                queue.extend((i, g, k) for k in range(n))
-            for i, g, k in queue:
-                while not self._call(prefill, i, (g, k), emit):  # a chunk ended before a row was free: decode on
-                    pass
-            self._collect(emit)
+                envs = list(r.envs) if r.envs is not None else [None] * n
+                if len(envs) != n:
+                    raise ValueError(f"request for {r.prompt.id}: {len(envs)} environments for {n} samples")
+                rollout = Rollout(prompt=r.prompt, prompt_tokens=np.asarray(r.tokens, np.int32), worker=self.name)
+                g = Group(rollout, [Episode(env, len(r.tokens)) for env in envs])
+                self._queue.extend((prefill, i, (g, k)) for k in range(n))
+            self._pump()
         if drain:
-            while self._in_flight > 0:
-                self._call(None, -1, None, emit)
-            self._collect(emit)
+            while self.busy:
+                self._advance()
         return done
 
     @property
@@ -207,19 +237,43 @@ class Engine(DecodePrograms):
         """Rows holding a live sample (carried across `generate(drain=False)` calls)."""
         return self._in_flight
 
+    @property
+    def busy(self) -> bool:
+        """Anything not yet emitted: rows in flight or queued, episodes stepping or about to continue."""
+        return bool(self._in_flight or self._queue or self._stepping or self._ready)
+
     def advance(self, on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
-        """Finish one in-flight row (no new prompt): keeps rows moving when the prompt queue is empty."""
+        """Move episodes on without new prompts: continue those whose environment answered, finish one in-flight row,
+        or wait a moment for an environment. Keeps rows moving when the prompt queue is empty."""
         done: list[Rollout] = []
-        if self._in_flight > 0 and self._state is not None:
-            self._call(None, -1, None)
-            self._collect(lambda r: (done.append(r), on_group(r) if on_group else None))
+        self._emit = lambda r: (done.append(r), on_group(r) if on_group else None)
+        self._advance()
         return done
 
-    def _call(self, prefill: DecodeState | None, p: int, target: tuple[_Group, int] | None,
-              emit: Callable[[Rollout], Any] | None = None) -> bool:
-        """One decode chunk; returns whether `target` was inserted (always True without a target). A group whose
-        last row just came out is collected and emitted at once: holding it until the current prompt batch is
-        all inserted would make it a straggler that the trainer waits for."""
+    def _advance(self) -> None:
+        self._poll_env()
+        self._launch_ready()
+        if self._queue:
+            self._pump()
+        elif self._in_flight > 0 and self._state is not None:
+            self._call(None, -1, None)
+        elif self._stepping:
+            wait_futures([s[0] for s in self._stepping], timeout=0.02, return_when="FIRST_COMPLETED")
+            self._poll_env()
+
+    def _pump(self) -> None:
+        """Insert the queued rows (continuations first), decoding until a row is free for each."""
+        while self._queue:
+            self._poll_env()
+            self._launch_ready()
+            state, p, target = self._queue.popleft()
+            while not self._call(state, p, target):  # a chunk ended before a row was free: decode on
+                self._poll_env()
+
+    def _call(self, prefill: DecodeState | None, p: int, target: tuple[Group, int] | None) -> bool:
+        """One decode chunk; returns whether `target` was inserted (always True without a target). A row that came
+        out is collected at once: its environment steps (and its group can be emitted) while decoding goes on;
+        holding it until the current prompt batch is all inserted would make it a straggler."""
         self.between_loops()
         with self._lock:
             params, version = self.params, self.version
@@ -232,29 +286,33 @@ class Engine(DecodePrograms):
             prefill = self._dummy_prefill()
         t0 = time.perf_counter()
         uid, k = (target[0].rollout.prompt.uid, target[1]) if target is not None else (0, 0)
-        args = (params, self._state, prefill, np.int32(p), np.int32(slot), np.int32(version),
-                np.uint32(uid & 0xFFFFFFFF), np.int32(k), np.int32(self.cfg.decode_chunk_steps))
-        if self.mesh is None:
-            self._state, row = self._decode(*args)
+        scalars = (np.int32(p), np.int32(slot), np.int32(version), np.uint32(uid & 0xFFFFFFFF), np.int32(k),
+                   np.int32(self.cfg.decode_chunk_steps))
+        park_at = self._free_park[-1] if self._free_park else -1
+        live = self._in_flight  # rows decoding through this chunk (an inserted row joins at its end)
+        if self.Q:
+            self._state, self._park, row = self._run(self._decode_park, params, *scalars, np.int32(park_at),
+                                                     device=(self._state, self._park, prefill))
         else:
-            with jax.set_mesh(self.mesh):
-                self._state, row = self._decode(*args)
+            self._state, row = self._run(self._decode, params, *scalars, device=(self._state, prefill))
         # Waiting for the flags waits for the device to finish the chunk, so decode_time (and the
         # decode_tokens_per_s metric built on it) is device time, and `between_loops` runs on executed work.
         inserted, out_slot, steps = jax.device_get((row.inserted, row.slot, row.steps))
-        self.stats.decode_time += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.decode_time += dt
         self.stats.calls += 1
         self.stats.decode_steps += int(steps)
+        self.stats.slot_steps += live * int(steps)
+        self.stats.slot_time += live * dt
         if target is not None and not inserted:
             del self._slots[slot]
         self._in_flight += int(bool(inserted))
-        if int(out_slot) >= 0:  # a finished row came out
+        if int(out_slot) >= 0:  # a finished row came out (and, in a multi-turn engine, its cache was parked)
             self._in_flight -= 1
-            self._pending_rows.append(row)
-            group = self._slots[int(out_slot)][0]
-            group.extracted += 1
-            if emit is not None and group.extracted == len(group.results):
-                self._collect(emit)
+            if self.Q and park_at >= 0:
+                self._free_park.pop()
+            self._pending_rows.append((row, park_at if self.Q else -1))
+            self._collect()
         return target is None or bool(inserted)
 
     def _dummy_prefill(self) -> DecodeState:
@@ -262,31 +320,42 @@ class Engine(DecodePrograms):
             self._dummy = self.prefill([[self.pad_id]])
         return self._dummy
 
-    def _collect(self, emit: Callable[[Rollout], Any]) -> None:
-        """Pull finished rows to the host in one transfer and assemble completed groups."""
+    def _collect(self) -> None:
+        """Pull finished rows to the host in one transfer; each is a model turn of its episode, handed to the
+        episode's environment (or, with none, the end of it)."""
         if not self._pending_rows:
             return
-        rows = jax.device_get(self._pending_rows)
+        rows = jax.device_get([r for r, _ in self._pending_rows])
+        parks = [at for _, at in self._pending_rows]
         self._pending_rows = []
         t0 = time.perf_counter()
-        for r in rows:
+        for r, park in zip(rows, parks):
             slot = int(r.slot)
             if slot < 0:
                 continue
             group, k = self._slots.pop(slot)
+            ep = group.episodes[k]
             pl, n = int(r.prompt_len), int(r.length)
             toks = np.asarray(r.tokens[pl:n], np.int32)
-            text = self.tokenizer.decode(toks[:-1] if len(toks) and toks[-1] == self.eos_id else toks) if self.tokenizer else ""
-            comp = Completion(
-                tokens=toks, logprobs=np.asarray(r.logprobs[pl:n], np.float32), forced=np.asarray(r.forced[pl:n], bool),
-                versions=np.asarray(r.versions[pl:n], np.int32), prompt_version=int(r.versions[0]), text=text,
-                finish_reason="length" if bool(r.hit_length) else "eos", ended_thinking=bool(r.end_of_think),
-            )
+            text = self.tokenizer.decode(toks[:-1] if len(toks) and toks[-1] == self.eos_id else toks) \
+                if self.tokenizer else ""
+            finish = "length" if bool(r.hit_length) else ("stop" if self._ends_with_stop(toks) else "eos")
+            if ep.turn == 0:
+                ep.prompt_version = int(r.versions[0])
+            ep.add_turn(toks, np.asarray(r.logprobs[pl:n], np.float32), np.asarray(r.forced[pl:n], bool),
+                        np.asarray(r.versions[pl:n], np.int32), text, finish, bool(r.end_of_think))
             self.stats.finished += 1
             self.stats.generated_tokens += len(toks)
-            group.results[k] = comp
-            group.pending -= 1
-            if group.pending == 0:
-                group.rollout.completions = group.results
-                emit(group.rollout)
+            if ep.env is None:
+                self._release(park)
+                ep.end(None)
+                self._maybe_emit(group)
+                continue
+            last = ep.turn >= self.cfg.max_turns or n >= self.S - 1
+            turn = Turn(toks, text, ep.turn - 1, finish, last)
+            self._stepping.append((self._step(ep, turn), group, k, park, last))
         self.stats.extra["detokenize_time"] = self.stats.extra.get("detokenize_time", 0.0) + time.perf_counter() - t0
+        self._poll_env()
+
+    def _ends_with_stop(self, toks: np.ndarray) -> bool:
+        return any(len(toks) >= len(q) and tuple(toks[-len(q):]) == q for q in self.stop)

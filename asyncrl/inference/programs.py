@@ -5,11 +5,20 @@ layouts, and their abstract (ahead-of-time) lowering. `engine.Engine` drives the
 - `decode_and_swap`, compiled once: runs decode steps in a `lax.while_loop` until some live row stops, takes
   that row out, and puts the next queued (prompt, sample) row in its place. The state is donated. The loop also
   returns after `inference.decode_chunk_steps` steps with nothing finished.
+
+Multi-turn engines (`inference.max_turns` > 1) add two programs, and a park store: a donated KV cache of
+`inference.parked_rows` rows where a row that ends its turn leaves its keys and values while its environment
+steps, so its decode slot serves another row meanwhile.
+- `decode_and_swap_park`: `decode_and_swap` that also copies the extracted row's cache into a free park row;
+- `extend`, memoized per power-of-two bucket like prefill: takes parked rows, appends each one's continuation (its
+  last sampled token and the observation) to its cache at its own offset, attending over the cached history, and
+  returns a prefill-like batch whose rows go back into the decode batch like fresh prompts. No earlier token is
+  recomputed. Single-turn engines compile exactly the two programs above.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,34 +26,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.forcing import force_end_of_think, force_eos
+from asyncrl.inference.lowering import AbstractPrograms
 from asyncrl.inference.sampling import sample
 from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row
-from asyncrl.models import dense, kvcache, params as params_lib
-from asyncrl.models.tokenizer import Tokenizer, bucket_length
+from asyncrl.models import kvcache
+from asyncrl.models.kvcache import KVCache
+from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.models.transformer import Model
 
 
-@jax.jit
-def cpu_decode_layout(params: Any) -> Any:
-    """Half-precision leaves as f32, the stacked layers split per layer, the matrices output-major
-    (`Engine._prepare`, `abstract_params`). One jitted function at module level, so each weight sync reuses its
-    compiled program (a fresh jit per call would recompile on every sync: a compile per step on every replica)."""
-    return dense.cpu_decode_layout(jax.tree.map(
-        lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, params))
-
-
-class DecodePrograms:
+class DecodePrograms(AbstractPrograms):
     """The jitted prefill and decode programs of one replica over `mesh` (None = default device)."""
 
     def __init__(self, model: Model, cfg: InferenceConfig, tokenizer: Tokenizer | None, *, eos_id: int | None = None,
-                 pad_id: int = 0, mesh: Mesh | None = None, seed: int = 0, substitute: str = "auto"):
+                 pad_id: int = 0, mesh: Mesh | None = None, seed: int = 0, substitute: str = "auto",
+                 stop: Sequence[Sequence[int]] = ()):
+        """`stop`: token sequences that end a row's turn like EOS does (a tool call's closing tag); the sequence's
+        tokens stay in the completion as sampled."""
         self.model, self.cfg, self.tokenizer, self.mesh = model, cfg, tokenizer, mesh
         self.eos_id = eos_id if eos_id is not None else tokenizer.eos_id  # type: ignore[union-attr]
         self.pad_id = tokenizer.pad_id if tokenizer is not None else pad_id
         self.S = cfg.max_seq_len
         self.B = cfg.max_decode_batch_size
         self.P = cfg.max_prefill_prompts
+        self.Q = cfg.parked_rows
         self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype)
+        self.stop = [tuple(int(t) for t in seq) for seq in stop if len(seq)]
         self.phrase: list[int] | None = None
         if cfg.reasoning_budget is not None:
             self.phrase = self._think_phrase()
@@ -62,6 +69,12 @@ class DecodePrograms:
             out_shardings=None if state_sh is None else (state_sh, None),
         )
         self._prefill = jax.jit(self._prefill_fn, out_shardings=self.state_shardings(self.P, split_rows=False))
+        if self.Q:
+            park_sh = self.park_shardings()
+            self._decode_park = jax.jit(
+                self._decode_and_swap_park, donate_argnums=(1, 2),
+                out_shardings=None if state_sh is None else (state_sh, park_sh, None))
+            self._extend = jax.jit(self._extend_fn, out_shardings=self.state_shardings(self.P, split_rows=False))
 
     def _think_phrase(self) -> list[int]:
         if self.tokenizer is None:
@@ -85,6 +98,11 @@ class DecodePrograms:
             return None
         axes = tuple(a for a in rules.mesh_axes("batch") if a in self.mesh.axis_names)
         return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+    def park_shardings(self) -> KVCache | None:
+        """Layouts of the park store: its rows replicated over the data axis, like a prefill batch's, so any device
+        can take a parked row into its part of the decode batch."""
+        return None if self.mesh is None else self.state_shardings(self.Q, split_rows=False).kv
 
     def state_shardings(self, rows: int, split_rows: bool = True) -> DecodeState | None:
         """Layouts of a state with `rows` rows. The decode batch splits rows over the data axis; a prefill batch
@@ -164,6 +182,8 @@ class DecodePrograms:
                     tok, lp, eot, index, s.prompt_len, budget=cfg.reasoning_budget, phrase=self.phrase
                 )
             tok, lp, forced, stop_now, _ = force_eos(tok, lp, forced, index, limit=s.limit, eos_id=self.eos_id)
+            if self.stop:
+                stop_now = stop_now | self._stop_hit(s, tok, index)
         # A position mask instead of a scatter: elementwise, so it keeps the rows' layout under any sharding.
         # Dead rows match no position and keep their outputs.
         at = (jnp.arange(self.S)[None, :] == index[:, None]) & live[:, None]  # [B, S]
@@ -186,10 +206,35 @@ class DecodePrograms:
             steps=s.steps + 1,
         )
 
+    def _stop_hit(self, s: DecodeState, tok: jax.Array, index: jax.Array) -> jax.Array:
+        """[B] bool: the token just sampled at `index` completes one of the stop sequences, all of whose tokens lie
+        past the row's prompt (a turn's own tokens, never the history it was given)."""
+        L = max(len(q) for q in self.stop)
+        seqs = jnp.asarray([[-1] * (L - len(q)) + list(q) for q in self.stop], jnp.int32)  # [J, L], left-padded
+        lens = jnp.asarray([len(q) for q in self.stop], jnp.int32)  # [J]
+        pos = index[:, None] - jnp.arange(L - 1, -1, -1, dtype=jnp.int32)[None, :]  # [B, L], the last is `index`
+        window = jnp.take_along_axis(s.tokens, jnp.clip(pos, 0, self.S - 1), axis=1)
+        window = jnp.where(jnp.arange(L)[None, :] == L - 1, tok[:, None], window)
+        match = jnp.all((seqs[None] == window[:, None]) | (seqs[None] < 0), axis=-1)  # [B, J]
+        inside = index[:, None] - lens[None, :] + 1 >= s.prompt_len[:, None]
+        return jnp.any(match & inside, axis=1)
+
     def _decode_and_swap(
         self, params: Any, s: DecodeState, prefill: DecodeState, p: jax.Array, slot: jax.Array, version: jax.Array,
         uid: jax.Array, k: jax.Array, max_steps: jax.Array,
     ) -> tuple[DecodeState, FinishedRow]:
+        s, _, finished = self._decode_and_swap_impl(params, s, None, prefill, p, slot, version, uid, k, max_steps, None)
+        return s, finished
+
+    def _decode_and_swap_park(
+        self, params: Any, s: DecodeState, park: KVCache, prefill: DecodeState, p: jax.Array, slot: jax.Array,
+        version: jax.Array, uid: jax.Array, k: jax.Array, max_steps: jax.Array, park_at: jax.Array,
+    ) -> tuple[DecodeState, KVCache, FinishedRow]:
+        """`decode_and_swap`, and the extracted row's KV cache copied into park row `park_at` (-1: none free), before
+        the row is given to the next sample."""
+        return self._decode_and_swap_impl(params, s, park, prefill, p, slot, version, uid, k, max_steps, park_at)
+
+    def _decode_and_swap_impl(self, params, s, park, prefill, p, slot, version, uid, k, max_steps, park_at):
         want_insert = p >= 0
         row_key = jax.random.fold_in(jax.random.fold_in(s.key, uid), k)
         steps0 = s.steps
@@ -222,6 +267,10 @@ class DecodePrograms:
             hit_length=take(s.forced)[jnp.clip(length - 1, 0, self.S - 1)], steps=s.steps - steps0,
             end_of_think=take(s.end_of_think), inserted=inserted,
         )
+        if park is not None:
+            with jax.named_scope("park"):
+                park = jax.lax.cond(any_done & (park_at >= 0), lambda q: self._park_row(s, q, row, park_at, take),
+                                    lambda q: q, park)
         with jax.named_scope("sub_next_batch"):
             s = jax.lax.cond(
                 inserted,
@@ -229,7 +278,49 @@ class DecodePrograms:
                 lambda s: jax.lax.cond(any_done, lambda s: deactivate_row(s, row), lambda s: s, s),
                 s,
             )
-        return s, finished
+        return s, park, finished
+
+    def _park_row(self, s: DecodeState, park: KVCache, row: jax.Array, at: jax.Array, take: Any) -> KVCache:
+        """Decode row `row`'s keys, values and length into park row `at`. Rows split over a data axis are taken by
+        the same masked reduction as the finished row's tokens; otherwise by a dynamic slice."""
+        split = self._data_spec() is not None
+
+        def one(dst: jax.Array, src: jax.Array) -> jax.Array:
+            r = take(jnp.moveaxis(src, 1, 0))[:, None] if split else \
+                jax.lax.dynamic_slice_in_dim(src, row, 1, axis=1)  # [L, 1, K, S, Dh]
+            return jax.lax.dynamic_update_slice_in_dim(dst, r.astype(dst.dtype), at, axis=1)
+
+        k = jax.tree.map(one, park.k, s.kv.k)
+        v = jax.tree.map(one, park.v, s.kv.v)
+        return KVCache(k=k, v=v, length=park.length.at[at].set(take(s.kv.length)))
+
+    def _extend_fn(self, params: Any, park: KVCache, idx: jax.Array, feed: jax.Array, lens: jax.Array,
+                   version: jax.Array) -> DecodeState:
+        """Continuations [P]: park rows `idx` (-1: an unused row), each with `feed` [P, W] (right-padded, `lens`
+        valid): the last token its turn sampled, which the cache does not hold yet, then its observation. All but
+        the last feed token are appended to the row's cache at its own offset, attending over the cached history
+        (the model's cached path, as a decode step, for many tokens at once); the last becomes next_token. The
+        result is laid out like a prefill batch, and its rows are inserted the same way."""
+        with jax.named_scope("extend"):
+            rows, _ = feed.shape
+            state = self._empty(rows, jnp.zeros((2,), jnp.uint32), split_rows=False)
+            live = idx >= 0
+            at = jnp.maximum(idx, 0)
+            gather = lambda x: jnp.take(x, at, axis=1)  # noqa: E731 - [L, P, K, S, Dh] from [L, Q, K, S, Dh]
+            kv = KVCache(k=jax.tree.map(gather, park.k), v=jax.tree.map(gather, park.v),
+                         length=jnp.where(live, jnp.take(park.length, at), 0))
+            if self.mesh is not None:
+                kv = jax.tree.map(lambda x, ns: jax.sharding.reshard(x, ns.spec), kv, state.kv)
+            append = jnp.maximum(lens - 1, 0)
+            _, kv = self.model.apply(params, feed, append, kv, apply_lm_head=False)
+            last = jnp.take_along_axis(feed, append[:, None], axis=1)[:, 0]
+            start = kv.length + 1  # the first token this turn samples is written here
+            state.kv, state.next_token, state.prompt_len = kv, last, start
+            state.versions = jnp.where(jnp.arange(self.S)[None, :] < start[:, None], version.astype(jnp.int32),
+                                       state.versions)
+            if self.cfg.max_new_tokens is not None:
+                state.limit = jnp.minimum(start + self.cfg.max_new_tokens + 1, self.S)  # + the forced EOS slot
+            return state
 
     def _insert(self, s: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.Array, slot: jax.Array,
                 row_key: jax.Array) -> DecodeState:
@@ -265,63 +356,13 @@ class DecodePrograms:
             local, mesh=mesh, in_specs=(state_specs, prefill_specs, P(), P(), P(), P()), out_specs=state_specs,
         )(s, prefill, p, row, slot, row_key)
 
-    # ---- ahead-of-time compilation -------------------------------------------------------------------------
-    # The programs above, lowered from abstract values only: what `launch.py aot` compiles for a TPU slice.
-
-    def abstract_params(self) -> Any:
-        """ShapeDtypeStructs of the weights this replica decodes with (`inference.params_dtype`, its layout; on
-        the CPU what `Engine.set_params` makes of them: per-layer, half precision as float32, matrices output-major)."""
-        dtype = jnp.dtype(self.cfg.params_dtype)
-        shapes = params_lib.shapes(self.model.cfg, dtype)
-        if self.mesh is not None:
-            shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
-                                  self.model.param_shardings(self.mesh, dtype))
-        if not self.cpu:
-            return shapes
+    def _new_park(self) -> KVCache:
+        """The park store, zeroed, on its layout."""
+        make = lambda: kvcache.zeros(self.model.cfg, self.Q, self.S, self.kv_dtype, per_layer=self.cpu)  # noqa: E731
         if self.mesh is None:
-            return jax.eval_shape(cpu_decode_layout, shapes)
+            return jax.jit(make)()
         with jax.set_mesh(self.mesh):
-            return jax.eval_shape(cpu_decode_layout, shapes)
-
-    def abstract_state(self, rows: int | None = None, split_rows: bool = True) -> DecodeState:
-        """ShapeDtypeStructs of a decode state (`rows` = max_decode_batch_size) or, with split_rows=False, of a
-        prefill batch, on the layouts the compiled programs pin."""
-        rows = self.B if rows is None else rows
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-        if self.mesh is None:
-            return jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
-        with jax.set_mesh(self.mesh):
-            shapes = jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
-        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
-                            self.state_shardings(rows, split_rows))
-
-    def prefill_buckets(self) -> list[int]:
-        """Every prompt width `prefill` can compile (prompts are 1 .. max_seq_len - 1 tokens)."""
-        return sorted({bucket_length(n, self.cfg.min_prefill_bucket, self.S) for n in range(1, self.S)})
-
-    def _scalar(self, dtype: Any) -> jax.ShapeDtypeStruct:
-        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
-        return jax.ShapeDtypeStruct((), dtype, sharding=sh)
-
-    def lower_decode(self) -> jax.stages.Lowered:
-        """The decode loop with row substitution (`decode_and_swap`), lowered on abstract inputs."""
-        i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
-        args = (self.abstract_params(), self.abstract_state(), self.abstract_state(self.P, split_rows=False),
-                i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32())
-        return self._lower(self._decode, args)
-
-    def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
-        """The prefill program for prompts padded to `bucket` tokens, lowered on abstract inputs."""
-        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
-        args = (self.abstract_params(), jax.ShapeDtypeStruct((self.P, bucket), jnp.int32, sharding=sh),
-                jax.ShapeDtypeStruct((self.P,), jnp.int32, sharding=sh), self._scalar(jnp.int32))
-        return self._lower(self._prefill, args)
-
-    def _lower(self, fn: Any, args: tuple) -> jax.stages.Lowered:
-        if self.mesh is None:
-            return fn.lower(*args)
-        with jax.set_mesh(self.mesh):
-            return fn.lower(*args)
+            return jax.jit(make, out_shardings=self.park_shardings())()
 
     def _new_state(self) -> DecodeState:
         key = jax.random.PRNGKey(self._seed)

@@ -60,7 +60,9 @@ class ReplicaSet:
         eos_id: int | None = None,
         name: str = "host",
         substitute: str = "auto",
+        stop: Sequence[Sequence[int]] = (),
     ):
+        """`stop`: token sequences that end a model turn besides EOS (named by the run's environments)."""
         self.cfg = cfg
         devices = list(devices) if devices is not None else jax.local_devices()
         self.engines: list[Engine] = []
@@ -70,14 +72,13 @@ class ReplicaSet:
             if cfg.max_decode_batch_size % dp != 0:
                 raise ValueError(f"inference.max_decode_batch_size={cfg.max_decode_batch_size} must divide over dp={dp}")
             m = model.with_rules(tensor_parallel_rules("tp", data_axis="dp"))
-            self.engines.append(Engine(m, params, cfg, tokenizer, eos_id=eos_id,
-                                       mesh=mesh, seed=seed, version=version, name=f"{name}/spmd", substitute=substitute))
+            self.engines.append(Engine(m, params, cfg, tokenizer, eos_id=eos_id, mesh=mesh, seed=seed, version=version,
+                                       name=f"{name}/spmd", substitute=substitute, stop=stop))
         else:
             for i, mesh in enumerate(replica_meshes(devices, cfg.tp)):
                 m = model.with_rules(tensor_parallel_rules("tp"))
-                self.engines.append(Engine(m, params, cfg, tokenizer,
-                                           eos_id=eos_id, mesh=mesh, seed=seed, version=version,
-                                           name=f"{name}/r{i}"))
+                self.engines.append(Engine(m, params, cfg, tokenizer, eos_id=eos_id, mesh=mesh, seed=seed,
+                                           version=version, name=f"{name}/r{i}", stop=stop))
 
     def __len__(self) -> int:
         return len(self.engines)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -44,6 +44,22 @@ class RolloutTimeout(TimeoutError):
 def is_zero_variance(rollout: Rollout) -> bool:
     r = rollout.rewards
     return bool(r.max() == r.min())
+
+
+def episode_metrics(completions: list[Any]) -> HostMetrics:
+    """Per step, what the episodes looked like: model turns per episode, the share of episodes that took more than
+    one, the share of completion tokens the environment appended (observations), episodes ended by each limit,
+    and the seconds spent in environment steps per episode."""
+    tokens = sum(len(c.tokens) for c in completions)
+    out = {
+        "rollout/turns_mean": float(np.mean([c.n_turns for c in completions])),
+        "rollout/multi_turn_share": float(np.mean([c.n_turns > 1 for c in completions])),
+        "rollout/observation_share": sum(c.observation_tokens for c in completions) / max(tokens, 1),
+        "rollout/env_s_mean": float(np.mean([c.env_s for c in completions])),
+    }
+    for reason in ("max_turns", "context", "obs_cap", "env_error"):
+        out[f"rollout/ended_{reason}"] = float(sum(c.end_reason == reason for c in completions))
+    return out
 
 
 def collect_rollouts(
@@ -176,5 +192,6 @@ def collect_rollouts(
         "rollout/straggler_wait_s": float(wait_s) if wait_s != float("inf") else -1.0,
         "rollout/straggler_gave_up": float(gave_up[0]),
         "rollout/zero_variance_fillers": float(sum(drop_zero_variance and is_zero_variance(r) for r in kept)),
+        **episode_metrics([c for r in kept for c in r.completions]),
     }
     return kept, metrics

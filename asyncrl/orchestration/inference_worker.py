@@ -1,5 +1,6 @@
-"""The inference role (the blog's AsyncInferenceWorker): replicas decoding continuously, a monitor thread for
-weight sync, and a pusher thread that scores finished groups off the decode path and ships them.
+"""The inference role (the blog's AsyncInferenceWorker): replicas decoding continuously, each sample in its
+environment (`asyncrl/envs`: a single-turn task's is its verifier, stepped off the decode thread by the engine), a
+monitor thread for weight sync, and shipper threads that put finished groups on the trainer's queues.
 
 Weight sync, as in the blog: the monitor takes the trainer's signal, opens the gate (`SyncGate`) and waits until
 every replica has parked between two decode chunks; it frees the old weights, receives the new ones through the
@@ -25,6 +26,7 @@ from asyncrl.orchestration.messages import InferenceReport, WeightSync
 from asyncrl.orchestration.queues import QueueTimeout
 from asyncrl.rollout import Rollout
 from asyncrl.sharding.roles import split_roles
+from asyncrl.envs import Environments
 from asyncrl.tasks import Verifier, build_task
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class InferenceWorker:
         self.errors: list[BaseException] = []
         self.timeout_s = t
         # Separate lanes: a train rollout blocked on the full (bounded) rollout queue must never hold up eval.
-        self.lanes: dict[bool, "queue.Queue[tuple[Rollout, list]]"] = {
+        self.lanes: dict[bool, "queue.Queue[Rollout]"] = {
             True: queue.Queue(maxsize=max(1, cfg.eval.num_prompts)), False: queue.Queue(maxsize=256)}
 
     # ---- weight sync ----------------------------------------------------------------------------------------
@@ -148,26 +150,16 @@ class InferenceWorker:
             if self.gate.params is not None and engine.version != self.gate.version:
                 engine.set_params(self.gate.params, self.gate.version)
 
-    # ---- scoring and shipping -------------------------------------------------------------------------------
+    # ---- shipping -------------------------------------------------------------------------------------------
 
     def _push(self, is_eval: bool) -> None:
         lane = self.lanes[is_eval]
         try:
             while not self.stop.is_set():
                 try:
-                    rollout, futures = lane.get(timeout=0.2)
+                    rollout = lane.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                wait_s = self.cfg.task.verifier.timeout_s * 4 + 30
-                for c, f in zip(rollout.completions, futures):
-                    try:
-                        s = f.result(timeout=wait_s)
-                    except TimeoutError:
-                        raise TimeoutError(
-                            f"inference{self.rank} scorer waited {wait_s:g}s (4 x task.verifier.timeout_s + 30) for "
-                            f"the verifier's score of a completion of the prompt at data position "
-                            f"{rollout.prompt.position}; the verifier pool is stalled") from None
-                    c.reward, c.reason = float(s.reward), s.reason
                 target = "eval_rollout" if rollout.is_eval else "rollout"
                 deadline = time.monotonic() + self.timeout_s
                 while not self.stop.is_set():  # short slices, so a stop is seen; then give up with a clear error
@@ -177,26 +169,20 @@ class InferenceWorker:
                     except TimeoutError:
                         if time.monotonic() > deadline:
                             raise QueueTimeout(
-                                f"inference{self.rank} scorer waited {self.timeout_s:.0f}s (async.queue_timeout_s) to "
+                                f"inference{self.rank} shipper waited {self.timeout_s:.0f}s (async.queue_timeout_s) to "
                                 f"put a group on the full '{target}' queue; no trainer is taking groups") from None
         except BaseException as e:
             self.errors.append(e)
             self.stop.set()
 
     def _on_group(self, r: Rollout, engine: Engine) -> None:
-        """Hand a finished group to grading and its scoring lane. This blocks decode when scoring falls behind
-        (back-pressure), but never forever, and never past a weight sync: the waits come in slices, and between
-        them the replica parks if a sync is pending (`_maybe_update`), so a sync waits one decode chunk at most, not
-        for a full verifier pool or a full lane."""
+        """Hand a finished (graded) group to its shipping lane. This blocks decode when shipping falls behind
+        (back-pressure), but never forever, and never past a weight sync: the wait comes in slices, and between them
+        the replica parks if a sync is pending (`_maybe_update`), so a sync waits one decode chunk at most."""
         lane = "eval" if r.is_eval else "train"
-        futures = [self._parkable(engine, lambda c=c, t=None: self.verifier.submit(c.text, r.prompt.sample, timeout=t),
-                                  TimeoutError, self.cfg.task.verifier.submit_timeout_s,
-                                  f"to submit a completion of the prompt at data position {r.prompt.position} to the "
-                                  "verifier (task.verifier.submit_timeout_s); the grading workers are stuck")
-                   for c in r.completions]
-        self._parkable(engine, lambda t=None: self.lanes[r.is_eval].put((r, futures), timeout=t), queue.Full,
-                       self.timeout_s, f"to hand a finished group to the {lane} scoring lane (async.queue_timeout_s); "
-                       "the scorer is stalled", QueueTimeout)
+        self._parkable(engine, lambda t=None: self.lanes[r.is_eval].put(r, timeout=t), queue.Full, self.timeout_s,
+                       f"to hand a finished group to the {lane} shipping lane (async.queue_timeout_s); the shipper "
+                       "is stalled", QueueTimeout)
 
     def _parkable(self, engine: Engine, call: Any, full: type, limit_s: float, what: str,
                   error: type = TimeoutError) -> Any:
@@ -230,8 +216,7 @@ class InferenceWorker:
                 items.append(self.q["prompt"].get_nowait())
             except queue.Empty:
                 break
-        chat = self.cfg.task.prompt_template == "chat"
-        return [Request(p, self.tokenizer.encode_prompt(p.sample.prompt, chat=chat)) for p in items]
+        return [Request(p, *self.envs.open(p.sample, p.n)) for p in items]
 
     def _replica_loop(self, engine: Engine) -> None:
         try:
@@ -245,8 +230,8 @@ class InferenceWorker:
                 reqs = self._next_requests()
                 if reqs:
                     engine.generate(reqs, drain=False, on_group=on_group)
-                elif engine.in_flight:
-                    engine.advance(on_group=on_group)  # no new prompts: finish rows instead of idling
+                elif engine.busy:
+                    engine.advance(on_group=on_group)  # no new prompts: finish rows and episodes instead of idling
                 if time.time() - last_report > 2.0:
                     self._report(engine)
                     last_report = time.time()
@@ -277,6 +262,8 @@ class InferenceWorker:
         self.tokenizer = load_tokenizer(cfg.model, self.run_dir)
         self.task = build_task(cfg.task)
         self.verifier = Verifier(self.task, cfg.task.verifier)
+        self.envs = Environments(self.task, self.tokenizer, self.verifier, chat=cfg.task.prompt_template == "chat",
+                                 step_timeout_s=cfg.task.verifier.timeout_s * 4 + 30)
         self.transfer = HopChainTransfer(cfg.async_.train_workers, jax.devices(), bucket_mb=cfg.weightsync.bucket_mb,
                                          timeout_s=cfg.weightsync.timeout_s)
         self.shapes = params_lib.shapes(mcfg, jnp.dtype(cfg.inference.params_dtype))
@@ -289,7 +276,7 @@ class InferenceWorker:
                                        devices=split_roles(jax.devices(), cfg.async_.train_workers).host_devices(jax.process_index()),
                                        seed=cfg.run.seed, version=self.gate.version,
                                        name=f"inference{self.rank}")
-        threads = [threading.Thread(target=self._push, args=(lane,), name=f"scorer-{'eval' if lane else 'train'}",
+        threads = [threading.Thread(target=self._push, args=(lane,), name=f"shipper-{'eval' if lane else 'train'}",
                                     daemon=True) for lane in (True, False)]
         threads += [threading.Thread(target=self._replica_loop, args=(e,), name=e.name, daemon=True)
                     for e in self.replicas.engines]

@@ -39,6 +39,9 @@ def _record(step: int, version: int, r: Rollout) -> dict[str, Any]:
             "completions": [{
                 "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
                 "n_tokens": int(len(c.tokens)), "prompt_version": c.prompt_version,
+                # Multi-turn episodes: every model turn's text, the observation tokens between them, why it ended.
+                **({"turns": c.turn_texts, "observation_tokens": c.observation_tokens, "end": c.end_reason}
+                   if c.n_turns > 1 or c.end_reason != "done" else {}),
                 # [[first token index, version], ...]: one entry per run of equal versions
                 "versions": [[0, c.start_version], *map(list, c.version_boundaries)] if len(c.tokens) else [],
             } for c in r.completions]}

@@ -70,6 +70,9 @@ class Task(abc.ABC):
     name: str = "task"
     label: str = "task"
     """Names this source in sample ids, metadata["task"] and per-source metrics; unique within a mixture."""
+    environment: str = "single_turn"
+    """The environment its samples are played in (`asyncrl/envs`): 'single_turn' answers once and is graded by
+    `score`; a multi-turn task names its own (the run's `task.environment` can put a tool around any task)."""
     # Attributes rebuilt lazily after unpickling (file contents, generator objects): a verifier worker needs
     # only what `score` reads, so these are not shipped to it.
     _transient: tuple[str, ...] = ()
@@ -89,6 +92,10 @@ class Task(abc.ABC):
         """`answer` written the way a completion for `sample` should state it (e.g. `\\boxed{answer}`): the
         target text of the format warm-start. The default is the bare answer."""
         return answer
+
+    def environment_for(self, sample: Sample) -> str:
+        """The environment `sample` is played in (a mixture asks its source)."""
+        return self.environment
 
     def warmup(self) -> None:
         """Pay one-time import/compile costs (a verifier worker calls this before taking work)."""

@@ -14,6 +14,7 @@ from asyncrl.tasks.base import Task
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.digits import build_digits
 from asyncrl.tasks.gym import build_gym
+from asyncrl.tasks.lookup import build_lookup
 from asyncrl.tasks.math_files import build_math_file
 from asyncrl.tasks.mixture import MixtureTask
 
@@ -24,6 +25,7 @@ _REGISTRY: dict[str, TaskFactory] = {
     "digits": build_digits,
     "reasoning_gym": build_gym,
     "math_file": build_math_file,
+    "lookup": build_lookup,
 }
 
 

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 
 def _examples(task: Any, tokenizer: Any, n: int, seed: int, chat: bool) -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) pairs: the prompt masked out, a random answer in the task's format and EOS masked
+    in; a multi-turn task lays out its own episodes (`warmstart_examples`)."""
+    if hasattr(task, "warmstart_examples"):
+        return task.warmstart_examples(tokenizer, n, seed, chat)
     samples = list(itertools.islice(task.samples("train", seed), n))
     # Labels drawn uniformly from the distinct gold answers, independent of the prompt: format only. (Shuffling
     # the gold answers would also teach their marginal, e.g. "say 9" for max-of-digits, which is a partial
@@ -37,7 +41,8 @@ def _examples(task: Any, tokenizer: Any, n: int, seed: int, chat: bool) -> list[
     out = []
     for s, a in zip(samples, answers):
         target = task.render_answer(a, s)  # e.g. \boxed{a}: the format the task's scorer extracts
-        out.append((tokenizer.encode_prompt(s.prompt, chat=chat), tokenizer.encode(target) + [tokenizer.eos_id]))
+        prompt, answer = tokenizer.encode_prompt(s.prompt, chat=chat), tokenizer.encode(target) + [tokenizer.eos_id]
+        out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
     return out
 
 
@@ -45,14 +50,14 @@ def format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, steps: 
                      batch: int = 64, seed: int = 0, chat: bool = False) -> Any:
     """Returns params after `steps` of masked next-token cross-entropy on (prompt, shuffled answer + EOS)."""
     examples = _examples(task, tokenizer, batch * 8, seed, chat)
-    width = max(len(p) + len(c) for p, c in examples)
+    width = max(len(ids) for ids, _ in examples)
     toks = np.zeros((len(examples), width), np.int32)
     mask = np.zeros((len(examples), width), np.float32)
     lens = np.zeros((len(examples),), np.int32)
-    for i, (p, c) in enumerate(examples):
-        toks[i, : len(p) + len(c)] = p + c
-        mask[i, len(p) : len(p) + len(c)] = 1.0  # targets: the answer and the EOS
-        lens[i] = len(p) + len(c)
+    for i, (ids, m) in enumerate(examples):
+        toks[i, : len(ids)] = ids
+        mask[i, : len(ids)] = m  # targets: the model's tokens (answers, EOS), never prompts or observations
+        lens[i] = len(ids)
     tx = optax.adam(lr)
     params = jax.device_get(params)
     opt = tx.init(params)

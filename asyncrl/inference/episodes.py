@@ -1,0 +1,117 @@
+"""Host-side bookkeeping of the engine's trajectories: one `Episode` per sampled completion, one `Group` per prompt.
+
+An episode accumulates its token arrays turn by turn, exactly as the device saw them: each model turn's sampled ids
+(with their logprobs, forced mask and weight versions), then each observation's ids (forced, logprob 0, the version
+that computed their keys and values). Nothing is ever decoded and re-encoded. When the environment says done, or a
+limit ends the episode, it becomes a `Completion`; when every episode of a group has, the group is a `Rollout`.
+
+A continuation is the next model turn of an episode: `feed` is the last sampled token (the device stopped before
+feeding it) followed by the observation; the engine appends `feed[:-1]` to the row's saved KV cache and decodes on
+from `feed[-1]` (`programs.DecodePrograms._extend_fn`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncrl.rollout import Completion, Environment, Rollout, StepResult
+
+
+@dataclass
+class Part:
+    """A run of tokens of one episode: a model turn or an observation."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    forced: np.ndarray
+    versions: np.ndarray
+    turn: int
+    observation: bool
+
+
+@dataclass
+class Episode:
+    env: Environment | None
+    prompt_len: int
+    parts: list[Part] = field(default_factory=list)
+    turn: int = 0  # model turns taken
+    prompt_version: int | None = None
+    finish: str = "eos"  # how the last model turn ended
+    ended_thinking: bool = False
+    reward: float | None = None
+    reason: str | None = None
+    end_reason: str = "done"
+    texts: list[str] = field(default_factory=list)
+    env_s: float = 0.0
+    done: bool = False
+
+    @property
+    def length(self) -> int:
+        """Tokens in the context: the prompt and every part."""
+        return self.prompt_len + sum(len(p.tokens) for p in self.parts)
+
+    def add_turn(self, tokens: np.ndarray, logprobs: np.ndarray, forced: np.ndarray, versions: np.ndarray,
+                 text: str, finish: str, ended_thinking: bool) -> None:
+        self.parts.append(Part(tokens, logprobs, forced, versions, self.turn, False))
+        self.texts.append(text)
+        self.finish, self.ended_thinking = finish, ended_thinking
+        self.turn += 1
+
+    def add_observation(self, tokens: np.ndarray, version: int) -> None:
+        n = len(tokens)
+        self.parts.append(Part(np.asarray(tokens, np.int32), np.zeros(n, np.float32), np.ones(n, bool),
+                               np.full(n, version, np.int32), self.turn - 1, True))
+
+    def end(self, result: StepResult | None, end_reason: str = "done") -> None:
+        """Over: by the environment (`done`), by a limit (`end_reason`: the reward of its last step stands), or, with
+        no environment (`result` None), unscored."""
+        if result is not None:
+            self.reward, self.reason = float(result.reward), result.reason
+        self.end_reason, self.done = end_reason, True
+
+    def history(self, prompt: np.ndarray) -> np.ndarray:
+        """Every token of the context: for a re-prefill when the row's saved cache was not kept."""
+        return np.concatenate([prompt, *(p.tokens for p in self.parts)]).astype(np.int32)
+
+    def completion(self) -> Completion:
+        cat = lambda name, dtype: np.concatenate([getattr(p, name) for p in self.parts]).astype(dtype) \
+            if self.parts else np.zeros(0, dtype)  # noqa: E731
+        turns = np.concatenate([np.full(len(p.tokens), p.turn, np.int32) for p in self.parts]) if self.parts \
+            else np.zeros(0, np.int32)
+        obs = np.concatenate([np.full(len(p.tokens), p.observation) for p in self.parts]) if self.parts \
+            else np.zeros(0, bool)
+        return Completion(
+            tokens=cat("tokens", np.int32), logprobs=cat("logprobs", np.float32), forced=cat("forced", bool),
+            versions=cat("versions", np.int32), prompt_version=self.prompt_version,
+            text=self.texts[-1] if self.texts else "", finish_reason=self.finish, ended_thinking=self.ended_thinking,
+            reward=self.reward, reason=self.reason, turns=turns, observation=obs, end_reason=self.end_reason,
+            turn_texts=list(self.texts), env_s=self.env_s,
+        )
+
+
+@dataclass
+class Group:
+    rollout: Rollout
+    episodes: list[Episode]
+
+    @property
+    def done(self) -> bool:
+        return all(e.done for e in self.episodes)
+
+    def finish(self) -> Rollout:
+        self.rollout.completions = [e.completion() for e in self.episodes]
+        return self.rollout
+
+
+@dataclass
+class Continuation:
+    """An episode's next turn, ready to go back into the decode batch."""
+
+    group: Group
+    k: int
+    feed: np.ndarray  # [last sampled token, *observation]
+    park: int  # the park-store row holding its KV cache, or -1 (not kept: re-prefill the history)
+    info: dict[str, Any] = field(default_factory=dict)

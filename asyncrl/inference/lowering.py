@@ -1,0 +1,95 @@
+"""The ahead-of-time side of a replica's programs: every program `DecodePrograms` compiles, lowered from abstract
+values only (what `launch.py aot` compiles for a TPU slice), with the shapes and layouts of its inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from asyncrl.inference.layout import cpu_decode_layout
+from asyncrl.inference.state import DecodeState
+from asyncrl.models import params as params_lib
+from asyncrl.models.kvcache import KVCache
+from asyncrl.models.tokenizer import bucket_length
+
+
+class AbstractPrograms:
+    """Mixed into `DecodePrograms` (which provides the jitted programs, `cfg`, `mesh`, `model` and the layouts)."""
+
+    def abstract_params(self) -> Any:
+        """ShapeDtypeStructs of the weights this replica decodes with (`inference.params_dtype`, its layout; on
+        the CPU what `Engine.set_params` makes of them: per-layer, half precision as float32, matrices output-major)."""
+        dtype = jnp.dtype(self.cfg.params_dtype)
+        shapes = params_lib.shapes(self.model.cfg, dtype)
+        if self.mesh is not None:
+            shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                                  self.model.param_shardings(self.mesh, dtype))
+        if not self.cpu:
+            return shapes
+        if self.mesh is None:
+            return jax.eval_shape(cpu_decode_layout, shapes)
+        with jax.set_mesh(self.mesh):
+            return jax.eval_shape(cpu_decode_layout, shapes)
+
+    def abstract_state(self, rows: int | None = None, split_rows: bool = True) -> DecodeState:
+        """ShapeDtypeStructs of a decode state (`rows` = max_decode_batch_size) or, with split_rows=False, of a
+        prefill batch, on the layouts the compiled programs pin."""
+        rows = self.B if rows is None else rows
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        if self.mesh is None:
+            return jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
+        with jax.set_mesh(self.mesh):
+            shapes = jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                            self.state_shardings(rows, split_rows))
+
+    def prefill_buckets(self) -> list[int]:
+        """Every prompt width `prefill` can compile (prompts are 1 .. max_seq_len - 1 tokens)."""
+        return sorted({bucket_length(n, self.cfg.min_prefill_bucket, self.S) for n in range(1, self.S)})
+
+    def _scalar(self, dtype: Any) -> jax.ShapeDtypeStruct:
+        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return jax.ShapeDtypeStruct((), dtype, sharding=sh)
+
+    def lower_decode(self) -> jax.stages.Lowered:
+        """The decode loop with row substitution (`decode_and_swap`, with the park store in a multi-turn engine),
+        lowered on abstract inputs."""
+        i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
+        prefill = self.abstract_state(self.P, split_rows=False)
+        scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32())
+        if self.Q:
+            return self._lower(self._decode_park, (self.abstract_params(), self.abstract_state(),
+                                                   self.abstract_park(), prefill, *scalars, i32()))
+        return self._lower(self._decode, (self.abstract_params(), self.abstract_state(), prefill, *scalars))
+
+    def abstract_park(self) -> KVCache:
+        """ShapeDtypeStructs of the park store, on its layout."""
+        rows = self.abstract_state(self.Q, split_rows=False)
+        return rows.kv
+
+    def lower_extend(self, bucket: int) -> jax.stages.Lowered:
+        """The extend program for continuations padded to `bucket` tokens (multi-turn engines only)."""
+        if not self.Q:
+            raise ValueError("the extend program belongs to multi-turn engines (inference.max_turns > 1)")
+        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
+        i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)  # noqa: E731
+        args = (self.abstract_params(), self.abstract_park(), i32((self.P,)), i32((self.P, bucket)), i32((self.P,)),
+                self._scalar(jnp.int32))
+        return self._lower(self._extend, args)
+
+    def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
+        """The prefill program for prompts padded to `bucket` tokens, lowered on abstract inputs."""
+        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
+        args = (self.abstract_params(), jax.ShapeDtypeStruct((self.P, bucket), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((self.P,), jnp.int32, sharding=sh), self._scalar(jnp.int32))
+        return self._lower(self._prefill, args)
+
+    def _lower(self, fn: Any, args: tuple) -> jax.stages.Lowered:
+        if self.mesh is None:
+            return fn.lower(*args)
+        with jax.set_mesh(self.mesh):
+            return fn.lower(*args)
+

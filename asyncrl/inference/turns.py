@@ -1,0 +1,117 @@
+"""The turns of the engine's episodes, mixed into `Engine`: each environment step on a worker thread, its answer
+taken back on the decode thread (`_poll_env`), and the continuations launched back into the decode batch ahead of
+new prompts (`_launch_ready`): through `extend` from their parked caches, or, for a cache the park store had no
+room for, through a prefill of the whole history."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import numpy as np
+
+from asyncrl.inference.episodes import Continuation, Episode, Group
+from asyncrl.rollout import StepResult, Turn
+
+log = logging.getLogger(__name__)
+
+
+class EpisodeDriver:
+    """Needs the engine's `cfg`, `S`, `P`, `name`, `stats`, `_lock`, `params`, `version`, `_park`, `_run`, `_padded`,
+    `_extend`, `prefill` and its host queues (`_stepping`, `_ready`, `_free_park`, `_queue`, `_pool`, `_emit`)."""
+
+    def _step(self, ep: Episode, turn: Turn) -> Future:
+        """The environment's step, on a worker thread; it records its own duration."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.cfg.env_workers, thread_name_prefix=f"{self.name}-env")
+
+        def timed() -> tuple[StepResult, float]:
+            t0 = time.perf_counter()
+            res = ep.env.step(turn)  # type: ignore[union-attr]
+            return res, time.perf_counter() - t0
+
+        return self._pool.submit(timed)
+
+    def _poll_env(self) -> None:
+        """Take the environments' answers that have come: end an episode, or ready its next turn."""
+        still = []
+        for entry in self._stepping:
+            future, group, k, park, last = entry
+            if not future.done():
+                still.append(entry)
+                continue
+            ep = group.episodes[k]
+            self.stats.env_steps += 1
+            try:
+                res, dt = future.result()
+                ep.env_s += dt
+                self.stats.env_time += dt
+            except Exception as e:  # noqa: BLE001 - an environment's failure ends its episode, never the run
+                log.warning("%s: the environment of %s (sample %d) failed at turn %d: %r", self.name,
+                            group.rollout.prompt.id, k, ep.turn - 1, e)
+                res = StepResult(None, 0.0, True, reason="env_error", info={"error": repr(e)})
+            end = self._end_reason(ep, res, last)
+            if end is None:
+                feed = np.concatenate([ep.parts[-1].tokens[-1:], np.asarray(res.observation, np.int32)])
+                self._ready.append(Continuation(group, k, feed, park))
+            else:
+                self._release(park)
+                ep.end(res, end)
+                self._maybe_emit(group)
+        self._stepping = still
+
+    def _end_reason(self, ep: Episode, res: StepResult, last: bool) -> str | None:
+        """None to go on; else why the episode ends."""
+        if res.done:
+            return "done" if res.reason != "env_error" else "env_error"
+        if last:
+            return "max_turns" if ep.turn >= self.cfg.max_turns else "context"
+        obs = res.observation
+        if obs is None or len(obs) == 0:
+            return "env_error"  # a step that continues must say something
+        cap = self.cfg.max_observation_tokens
+        if cap is not None and len(obs) > cap:
+            return "obs_cap"
+        if ep.length + len(obs) + 1 >= self.S:  # the observation and at least one sampled token must fit
+            return "context"
+        return None
+
+    def _release(self, park: int) -> None:
+        if park >= 0:
+            self._free_park.append(park)
+
+    def _maybe_emit(self, group: Group) -> None:
+        if group.done and self._emit is not None:
+            self._emit(group.finish())
+
+    def _launch_ready(self) -> None:
+        """Continuations back into the decode batch, ahead of new prompts: up to P at a time through `extend`
+        from their parked caches, or, for a cache the park store had no room for, a prefill of the history."""
+        while self._ready:
+            batch, self._ready = self._ready[: self.P], self._ready[self.P :]
+            with self._lock:
+                params, version = self.params, self.version
+            parked = [c for c in batch if c.park >= 0]
+            entries = []
+            if parked:
+                t0 = time.perf_counter()
+                feeds, lens = self._padded([c.feed for c in parked])
+                idx = np.full((self.P,), -1, np.int32)
+                idx[: len(parked)] = [c.park for c in parked]
+                state = self._run(self._extend, params, idx, feeds, lens, np.int32(version), device=(self._park,))
+                jax.block_until_ready(state.kv)
+                self.stats.extend_time += time.perf_counter() - t0
+                for i, c in enumerate(parked):
+                    c.group.episodes[c.k].add_observation(c.feed[1:], version)
+                    self._release(c.park)
+                    entries.append((state, i, (c.group, c.k)))
+            rest = [c for c in batch if c.park < 0]
+            if rest:
+                self.stats.parked_full += len(rest)
+                for c in rest:
+                    c.group.episodes[c.k].add_observation(c.feed[1:], version)
+                state = self.prefill([c.group.episodes[c.k].history(c.group.rollout.prompt_tokens) for c in rest])
+                entries += [(state, i, (c.group, c.k)) for i, c in enumerate(rest)]
+            self._queue.extendleft(reversed(entries))

@@ -1,0 +1,88 @@
+"""A synthetic multi-turn task whose reward can only be reached through the environment: each prompt hides a
+two-digit number, and the only way to learn it is the lookup action.
+
+    prompt  "k381>"        (a random key: it says nothing of the hidden number)
+    turn 0  "?"            the lookup action (then EOS)
+    obs     "=47>"         the environment answers with the hidden number
+    turn 1  "47"           the answer (then EOS), graded exact by the task's verifier
+
+Answering at once is a guess (reward 1 in 100). The tiny model learns, by RL, to look the number up and copy it: the
+reward rises from the guess rate toward 1 and the share of episodes that use the action rises with it. The format
+warm-start (`warmstart_examples`) teaches the *format* of both ways (half the examples look up, half answer at
+once) with answers drawn at random, never the hidden number: the rule, look up and then copy, is left to RL.
+The environment itself is `asyncrl/envs/lookup.py`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator
+
+from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash
+from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
+from asyncrl.validate import check_choice
+
+ACTION = "?"
+
+
+class LookupTask(Task):
+    name = "lookup"
+    environment = "lookup"
+
+    def __init__(self, eval_size: int = 256, label: str = "lookup", use: str = "both") -> None:
+        self.eval_size, self.label, self.use = eval_size, label, use
+
+    def _sample(self, rng: random.Random, split: str, i: int) -> Sample:
+        key = "".join(str(rng.randrange(10)) for _ in range(3))
+        secret = f"{rng.randrange(100):02d}"
+        return Sample(f"{self.label}/{split}/{i}", f"k{key}>", secret, {"task": self.label})
+
+    def samples(self, split: str, seed: int) -> Iterator[Sample]:
+        check_split(split)
+        if self.use not in ("both", split):
+            return
+        rng = random.Random(stable_hash("lookup", split, seed))
+        i = 0
+        while split == "train" or i < self.eval_size:
+            yield self._sample(rng, split, i)
+            i += 1
+
+    def score(self, completion: str, sample: Sample) -> Score:
+        text = completion.strip()
+        if not text:
+            return Score(0.0, "no_answer")
+        ok = text == sample.answer
+        return Score(1.0 if ok else 0.0, "correct" if ok else "wrong", text[:20])
+
+    def warmstart_examples(self, tokenizer: Any, n: int, seed: int, chat: bool) -> list[tuple[list[int], list[int]]]:
+        """(token ids, loss mask) pairs in the episode's own layout: prompt, turns (masked in), observations
+        (masked out). Half look up, half answer at once; every answer is a random number, independent of the
+        hidden one."""
+        rng = random.Random(seed)
+        eos = [tokenizer.eos_id]
+        out = []
+        for s, _ in zip(self.samples("train", seed), range(n)):
+            prompt = tokenizer.encode_prompt(s.prompt, chat=chat)
+            guess = tokenizer.encode(f"{rng.randrange(100):02d}") + eos
+            ids, mask = list(prompt), [0] * len(prompt)
+            if rng.random() < 0.5:
+                action = tokenizer.encode(ACTION) + eos
+                obs = tokenizer.encode(observation(f"{rng.randrange(100):02d}"))
+                ids += action + obs
+                mask += [1] * len(action) + [0] * len(obs)
+            ids += guess
+            mask += [1] * len(guess)
+            out.append((ids, mask))
+        return out
+
+
+def observation(number: str) -> str:
+    return f"={number}>"
+
+
+def build_lookup(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> LookupTask:
+    opts = dict(source.options)
+    label = opts.pop("label", "lookup")
+    for key in opts:
+        check_choice(f"{where}.options", key, ["label"])
+    return LookupTask(eval_size=cfg.eval_size, label=str(label), use=source.split)

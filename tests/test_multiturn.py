@@ -1,0 +1,239 @@
+"""Multi-turn rollouts through the real engine (`inference/engine.py`, `episodes.py`, the park and extend programs):
+token-exact trajectories, observations masked, KV continued across turns, limits, failures and stop sequences."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncrl.inference.config import InferenceConfig
+from asyncrl.inference.engine import Engine, Request
+from asyncrl.inference.replicas import ReplicaSet
+from asyncrl.models import Model, preset
+from asyncrl.models.kvcache import KVCache
+from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
+from asyncrl.rollout import Prompt, StepResult
+from asyncrl.train.batch import build_batch
+from asyncrl.train.loss_config import LossConfig
+
+BASE = InferenceConfig(group_size=2, max_decode_batch_size=4, max_prefill_prompts=4, max_seq_len=96, temperature=1.0,
+                       params_dtype="float32", kv_cache_dtype="float32", min_prefill_bucket=8, max_turns=3,
+                       max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return Tokenizer.from_folder(build_char_tokenizer(str(tmp_path_factory.mktemp("tok") / "char")))
+
+
+@pytest.fixture(scope="module")
+def model_params():
+    model = Model(preset("tiny"))
+    return model, model.init_params(jax.random.PRNGKey(0))
+
+
+class ScriptedEnv:
+    """Answers turn i with `observations[i]` (ids) until they run out, then ends with reward 1. Records every turn
+    it saw, and may sleep or fail at a turn."""
+
+    stop: tuple = ()
+
+    def __init__(self, prompt, observations, delay_s=0.0, fail_at=None):
+        self.prompt, self.observations, self.delay_s, self.fail_at = list(prompt), observations, delay_s, fail_at
+        self.turns = []
+
+    def reset(self):
+        return list(self.prompt)
+
+    def step(self, turn):
+        self.turns.append(turn)
+        time.sleep(self.delay_s)
+        if turn.index == self.fail_at:
+            raise RuntimeError("the tool crashed")
+        if turn.index < len(self.observations) and not turn.last:
+            return StepResult(self.observations[turn.index], 0.0, False)
+        return StepResult(None, 1.0, True, "correct")
+
+
+def _requests(tok, observations, n_prompts=3, k=2, **env_kw):
+    texts = ["3 1 4 1 5>", "9 2 6>", "5 3 5 8 9 7 9>", "8 4 6>"][:n_prompts]
+    reqs, envs = [], []
+    for i, t in enumerate(texts):
+        ids = tok.encode(t)
+        e = [ScriptedEnv(ids, observations, **env_kw) for _ in range(k)]
+        envs += e
+        reqs.append(Request(Prompt(i, t, k), ids, e))
+    return reqs, envs
+
+
+def _teacher_forced(model, params, prompt, completion, temperature):
+    full = np.concatenate([prompt, completion.tokens])
+    lp = model.get_logprobs(params, jnp.asarray(full[None]), jnp.asarray([len(full)]), temperature=temperature)
+    return np.asarray(lp)[0, len(prompt) - 1:]  # the logprob of completion token t sits at index t
+
+
+def test_a_multi_turn_trajectory_is_exactly_what_the_sampler_saw(model_params, tok):
+    """Three turns with two observations in between: the sampled tokens' logprobs equal the trainer's teacher-forced
+    ones over the whole trajectory (so the KV continued across turns is the history's), the observations are the
+    environment's ids, forced and out of the loss, and each turn the environment saw is the sampled ids."""
+    model, params = model_params
+    obs = [tok.encode("=4>"), tok.encode("ok 7>")]
+    reqs, envs = _requests(tok, obs)
+    eng = Engine(model, params, BASE, tok, seed=1)
+    out = eng.generate(reqs)
+    assert len(out) == 3 and all(len(r.completions) == 2 for r in out)
+    checked = 0
+    for r, group_envs in zip(sorted(out, key=lambda r: r.prompt.position), np.array_split(envs, 3)):
+        for c, env in zip(r.completions, group_envs):
+            assert c.n_turns == 3 and c.end_reason == "done" and c.reward == 1.0
+            assert c.observation_tokens == sum(len(o) for o in obs)
+            starts = np.nonzero(np.diff(np.concatenate([[0], c.observation.astype(int)])) == 1)[0]
+            for o, s in zip(obs, starts):
+                np.testing.assert_array_equal(c.tokens[s:s + len(o)], o)  # the environment's ids, as given
+            assert c.forced[c.observation].all() and (c.logprobs[c.observation] == 0).all()
+            # Each turn the environment saw is exactly the sampled ids of that turn.
+            for turn in env.turns:
+                seg = c.tokens[(c.turns == turn.index) & ~c.observation]
+                np.testing.assert_array_equal(turn.tokens, seg)
+            lp = _teacher_forced(model, params, r.prompt_tokens, c, BASE.temperature)
+            sampled = ~c.forced
+            np.testing.assert_allclose(c.logprobs[sampled], lp[sampled], atol=1e-4)
+            checked += int(sampled.sum())
+    assert checked > 50
+    batch = build_batch(out, LossConfig(max_tokens=64))
+    for b, (r, c) in enumerate((r, c) for r in out for c in r.completions):
+        p = len(r.prompt_tokens)
+        np.testing.assert_array_equal(batch.loss_mask[b, p:p + len(c.tokens)], ~c.forced)  # observations: no loss
+    assert eng.stats.extend_time > 0 and eng.stats.parked_full == 0
+
+
+def test_a_full_park_store_falls_back_to_a_re_prefill_and_stays_exact(model_params, tok):
+    model, params = model_params
+    obs = [tok.encode("=4>")]
+    reqs, _ = _requests(tok, obs, n_prompts=3, k=2, delay_s=0.05)
+    eng = Engine(model, params, dataclasses.replace(BASE, max_parked_rows=1), tok, seed=1)
+    out = eng.generate(reqs)
+    assert eng.stats.parked_full > 0
+    for r in out:
+        for c in r.completions:
+            assert c.n_turns == 2
+            lp = _teacher_forced(model, params, r.prompt_tokens, c, BASE.temperature)
+            np.testing.assert_allclose(c.logprobs[~c.forced], lp[~c.forced], atol=1e-4)
+
+
+def test_limits_end_an_episode_cleanly_with_a_reason(model_params, tok):
+    model, params = model_params
+    never_done = [tok.encode("=1>")] * 10
+    reqs, envs = _requests(tok, never_done, n_prompts=2)
+    out = Engine(model, params, BASE, tok, seed=1).generate(reqs)
+    for r in out:
+        for c in r.completions:  # the environment never ends it: max_turns does, and the last turn said so
+            assert c.end_reason == "done" and c.n_turns == BASE.max_turns
+    assert all(e.turns[-1].last for e in envs)
+    reqs, _ = _requests(tok, [tok.encode("x" * 12)], n_prompts=2)
+    out = Engine(model, params, dataclasses.replace(BASE, max_observation_tokens=8), tok, seed=1).generate(reqs)
+    assert {c.end_reason for r in out for c in r.completions} == {"obs_cap"}
+    reqs, _ = _requests(tok, [tok.encode("y" * 40)] * 2, n_prompts=2)
+    out = Engine(model, params, dataclasses.replace(BASE, max_seq_len=64), tok, seed=1).generate(reqs)
+    assert "context" in {c.end_reason for r in out for c in r.completions}
+    assert all(len(r.prompt_tokens) + len(c.tokens) <= 64 for r in out for c in r.completions)
+
+
+def test_a_failing_environment_ends_its_episode_not_the_run(model_params, tok):
+    model, params = model_params
+    reqs, _ = _requests(tok, [tok.encode("=4>")], n_prompts=2, fail_at=1)
+    out = Engine(model, params, BASE, tok, seed=1).generate(reqs)
+    assert len(out) == 2
+    for c in (c for r in out for c in r.completions):
+        assert c.end_reason == "env_error" and c.reward == 0.0 and c.n_turns == 2
+
+
+def test_environment_steps_run_off_the_decode_thread(model_params, tok):
+    """A slow environment (0.4 s a step) holds only its own episodes: the engine decodes and emits the other groups
+    meanwhile, and the total is not the sum of the waits."""
+    model, params = model_params
+    fast, _ = _requests(tok, [tok.encode("=1>")], n_prompts=2)
+    slow_ids = tok.encode("8 4 6>")
+    slow = Request(Prompt(9, "slow", 2), slow_ids, [ScriptedEnv(slow_ids, [tok.encode("=1>")], delay_s=0.4)
+                                                     for _ in range(2)])
+    eng = Engine(model, params, BASE, tok, seed=1)
+    eng.generate([slow] + fast[:1], drain=True)  # compile everything first
+    order = []
+    t0 = time.perf_counter()
+    eng.generate([slow] + fast, drain=True, on_group=lambda r: order.append(r.prompt.position))
+    took = time.perf_counter() - t0
+    assert order[-1] == 9, order  # the slow group, though first in, is emitted last
+    assert took < 2 * 0.4 * 2 + 1.0  # two slow steps per episode, overlapped with each other and with decode
+
+
+def test_stop_sequences_end_a_turn_and_stay_in_it(model_params, tok):
+    model, params = model_params
+    stops = [tuple(tok.encode(d)) for d in "0123456789"]  # any digit ends the turn
+    reqs, _ = _requests(tok, [tok.encode("=4>")], n_prompts=3)
+    out = Engine(model, params, BASE, tok, seed=1, stop=stops).generate(reqs)
+    digits = {s[0] for s in stops}
+    ended = [t for r in out for c in r.completions for t in c.turn_texts]
+    stopped = [c for r in out for c in r.completions if c.finish_reason == "stop"]
+    assert stopped, ended
+    for c in stopped:  # the last turn ends on a digit, kept as sampled (not forced, not replaced by EOS)
+        last = c.tokens[(c.turns == c.n_turns - 1) & ~c.observation]
+        assert last[-1] in digits and not c.forced[-1] and c.logprobs[-1] < 0
+        assert not any(t in digits for t in last[:-1])
+
+
+def _continuation_matches_a_fresh_prefill(engine: Engine, model: Model, params, history, obs):
+    """The extend program on a parked row vs one forward over the whole history: the next token's logits."""
+    history, obs = np.asarray(history, np.int32), np.asarray(obs, np.int32)
+    park = engine._new_park()
+    pre = engine.prefill([history])  # caches history[:-1]: a row that stopped after sampling history[-1]
+
+    def put(park, pre):  # prefill row 0 into park row 2
+        move = lambda d, s: jax.lax.dynamic_update_slice_in_dim(d, s[:, :1].astype(d.dtype), 2, axis=1)  # noqa: E731
+        return KVCache(k=jax.tree.map(move, park.k, pre.kv.k), v=jax.tree.map(move, park.v, pre.kv.v),
+                       length=park.length.at[2].set(pre.kv.length[0]))
+
+    with jax.set_mesh(engine.mesh) if engine.mesh is not None else _nullcontext():
+        park = jax.jit(put)(park, pre)
+    feeds, lens = engine._padded([np.concatenate([history[-1:], obs])])
+    idx = np.full((engine.P,), -1, np.int32)
+    idx[0] = 2
+    state = engine._run(engine._extend, engine.params, idx, feeds, lens, np.int32(0), device=(park,))
+    assert int(state.kv.length[0]) == len(history) + len(obs) - 1 and int(state.next_token[0]) == obs[-1]
+
+    def next_logits(params, kv, tok):
+        logits, _ = engine.model.apply(params, tok[:, None], jnp.ones_like(tok), kv)
+        return logits[:, 0]
+
+    with jax.set_mesh(engine.mesh) if engine.mesh is not None else _nullcontext():
+        got = np.asarray(jax.jit(next_logits)(engine.params, state.kv, state.next_token))[0]
+    full = np.concatenate([history, obs])
+    want = np.asarray(model.apply(params, jnp.asarray(full[None]), jnp.asarray([len(full)]))[0])[0, len(full) - 1]
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_a_row_continued_after_an_observation_matches_a_fresh_prefill(model_params, tok):
+    model, params = model_params
+    eng = Engine(model, params, BASE, tok, seed=1)
+    _continuation_matches_a_fresh_prefill(eng, model, params, tok.encode("3 1 4 1 5>9"), tok.encode("=4> and 7>"))
+
+
+def test_a_row_continued_after_an_observation_matches_a_fresh_prefill_on_a_dp_x_tp_mesh(model_params, tok):
+    model, params = model_params
+    cfg = dataclasses.replace(BASE, replica_mode="spmd", tp=2)
+    rs = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:4], seed=1)
+    (eng,) = rs.engines
+    assert eng.mesh.shape == {"dp": 2, "tp": 2}
+    _continuation_matches_a_fresh_prefill(eng, model, params, tok.encode("9 2 6>3"), tok.encode("=5>"))
