@@ -1,26 +1,27 @@
 """Multi-turn decode throughput against single-turn, at equal generated tokens, with a slow environment.
 
-The engine alone (no Ray, no trainer): the tiny model, a batch of prompts, each sample an episode of TURNS model
-turns separated by an environment step that sleeps ENV_S (a tool, a game) before it answers with a short
-observation; against the same prompts decoded in one turn of TURNS x the per-turn budget (the baseline, same
-generated tokens, no environment). Reported for both: generated tokens/s over the wall time, and decode-slot
-occupancy, the share of the decode batch's row-steps that held a live row (`EngineStats.slot_steps`), and the same
-share of the wall time (a slot idles while its engine has nothing to decode: waiting on environments, extends and
-prefills count as idle).
+The engine alone (no Ray, no trainer): the tiny model fed a stream of prompts the way an inference worker feeds it;
+each sample an episode of TURNS model turns separated by an environment step that sleeps ENV_S (a tool, a game)
+before it answers with a short observation; against the same stream decoded in one turn of TURNS x the per-turn
+budget (the baseline, same generated tokens per episode, no environment). Reported for both, over the steady
+phase: generated tokens/s, and decode-slot occupancy, as the share of the decode batch's row-steps that held a live
+row (`EngineStats.slot_steps`) and as the same share of the wall time (prefills, extends and any wait count as idle).
 
-    python benchmarks/multiturn.py [--env-s 0.5] [--prompts 96] [--turns 3] [--tokens-per-turn 16] [--parked 128]
+    python benchmarks/multiturn.py [--env-s 0.5] [--seconds 30] [--turns 3] [--tokens-per-turn 32] [--parked 512]
 
-Writes benchmarks/results/multiturn.json.
+Writes benchmarks/results/multiturn_<model>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,68 +52,97 @@ class SleepyEnv:
         return StepResult(self.obs, 0.0, False)
 
 
-def run(engine: Engine, requests: list[Request]) -> dict[str, float]:
+def run(engine: Engine, make_requests: Callable[[int, int], list[Request]], seconds: float,
+        warm_s: float) -> dict[str, float]:
+    """Feed prompts the way an inference worker does (a chunk of `max_prefill_prompts` whenever the last chunk's
+    rows are all inserted, `generate(drain=False)`) for `seconds`, then drain. "Steady" figures are over the
+    feeding phase after `warm_s` (the pipeline full: episodes waiting on their environments, parked), while a
+    prompt is always waiting for a free slot, as in a run whose feeder never runs dry; the drain, where the last
+    episodes wait on their environments with nothing to replace them, is only in the whole-run figures."""
     s0 = dict(vars(engine.stats))
     t0 = time.perf_counter()
-    out = engine.generate(requests, drain=True)
+    out, fed, marks = [], 0, []
+    while time.perf_counter() - t0 < seconds:
+        out += engine.generate(make_requests(fed, engine.P), drain=False)
+        fed += engine.P
+        marks.append((time.perf_counter() - t0, dict(vars(engine.stats))))
+    w0 = next((t, st) for t, st in marks if t >= warm_s)
+    w1 = marks[-1]
+    out += engine.generate([], drain=True)
     wall = time.perf_counter() - t0
-    s = engine.stats
-    model_tokens = sum(len(c.tokens) - c.observation_tokens for r in out for c in r.completions)
-    steps = s.decode_steps - s0["decode_steps"]
-    slot_steps = s.slot_steps - s0["slot_steps"]
-    B = engine.B
-    return {"wall_s": wall, "generated_tokens": float(model_tokens), "tokens_per_s": model_tokens / wall,
-            "slot_occupancy_steps": slot_steps / max(1, steps * B),
-            "slot_occupancy_time": (s.slot_time - s0["slot_time"]) / (B * wall),
-            "decode_s": s.decode_time - s0["decode_time"], "extend_s": s.extend_time - s0["extend_time"],
-            "prefill_s": s.prefill_time - s0["prefill_time"], "env_s": s.env_time - s0["env_time"],
-            "turns_mean": float(np.mean([c.n_turns for r in out for c in r.completions])),
-            "parked_full": float(s.parked_full - s0["parked_full"])}
+    s, B = vars(engine.stats), engine.B
+    span = max(w1[0] - w0[0], 1e-9)
+    steady = {k: w1[1][k] - w0[1][k] for k in ("slot_steps", "slot_time", "decode_steps", "decode_time",
+                                                  "extend_time", "prefill_time", "parked_full")}
+    comps = [c for r in out for c in r.completions]
+    return {"steady_s": span, "steady_tokens_per_s": steady["slot_steps"] / span,  # one token per live row-step
+            "steady_slots_busy_steps": steady["slot_steps"] / max(1, steady["decode_steps"] * B),
+            "steady_slots_busy_time": steady["slot_time"] / (B * span),
+            "steady_decode_share": steady["decode_time"] / span, "steady_extend_share": steady["extend_time"] / span,
+            "steady_prefill_share": steady["prefill_time"] / span, "steady_re_prefills": float(steady["parked_full"]),
+            "wall_s": wall, "generated_tokens": float(s["slot_steps"] - s0["slot_steps"]),
+            "tokens_per_s": (s["slot_steps"] - s0["slot_steps"]) / wall,
+            "episodes": float(len(comps)), "turns_mean": float(np.mean([c.n_turns for c in comps])),
+            "env_s": s["env_time"] - s0["env_time"]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--env-s", type=float, default=0.5)
-    ap.add_argument("--prompts", type=int, default=96)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--warm-s", type=float, default=8.0)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--tokens-per-turn", type=int, default=16)
+    ap.add_argument("--tokens-per-turn", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--parked", type=int, default=128)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "multiturn.json"))
+    ap.add_argument("--parked", type=int, default=512)
+    ap.add_argument("--model", default="tiny", choices=["tiny", "small"],
+                    help="tiny: the 2-layer test model (per-call overhead dominates); small: 8 layers x 512 wide, "
+                         "where a decode step costs what it costs a real model relative to the host's per-call work")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/multiturn_<model>.json")
     args = ap.parse_args()
+    args.out = args.out or os.path.join(os.path.dirname(__file__), "results", f"multiturn_{args.model}.json")
 
-    model = Model(preset("tiny"))
+    cfg = preset("tiny")
+    if args.model == "small":
+        cfg = dataclasses.replace(cfg, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+                                  num_kv_heads=4, head_dim=64)
+    model = Model(cfg)
     params = model.init_params(jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(10, 90, size=int(rng.integers(6, 12))).tolist() for _ in range(args.prompts)]
     obs = rng.integers(10, 90, size=4).tolist()
     base = dict(group_size=args.group, max_decode_batch_size=args.batch, max_prefill_prompts=8, temperature=1.0,
                 params_dtype="float32", kv_cache_dtype="float32", min_prefill_bucket=16)
     per_turn = args.tokens_per_turn
     span = args.turns * (per_turn + 1 + len(obs) + 1) + 16
-    multi_cfg = InferenceConfig(**base, max_seq_len=64 * ((span + 63) // 64), max_turns=args.turns,
-                                max_new_tokens=per_turn, max_parked_rows=args.parked)
-    single_cfg = InferenceConfig(**base, max_seq_len=64 * ((span + 63) // 64), max_turns=1,
-                                 max_new_tokens=args.turns * (per_turn + 1) - 1)
-    # A random model samples this EOS about 1 token in 128: turns end mostly at their budget (max_new_tokens), so
-    # both engines generate about the same tokens.
+    seq = 64 * ((span + 63) // 64)
+    # Multi-turn: TURNS turns of per_turn tokens (+ EOS slot), an observation between them. Single-turn: one turn of
+    # the same total, so both generate the same tokens per episode.
+    multi_cfg = InferenceConfig(**base, max_seq_len=seq, max_turns=args.turns, max_new_tokens=per_turn,
+                                max_parked_rows=args.parked)
+    single_cfg = InferenceConfig(**base, max_seq_len=seq, max_turns=1, max_new_tokens=args.turns * (per_turn + 1) - 1)
+    # A random model samples this EOS about 1 token in 128: turns end mostly at their budget (max_new_tokens).
     eos = model.cfg.vocab_size - 1
     multi = Engine(model, params, multi_cfg, None, eos_id=eos, seed=0)
     single = Engine(model, params, single_cfg, None, eos_id=eos, seed=0)
 
-    def requests(with_env: bool, offset: int):
-        out = []
-        for i, p in enumerate(prompts):
-            envs = [SleepyEnv(p, obs, args.env_s) for _ in range(args.group)] if with_env else None
-            out.append(Request(Prompt(offset + i, None, args.group), p, envs))
-        return out
+    def requests(with_env: bool):
+        def make(start: int, n: int) -> list[Request]:
+            out = []
+            for i in range(start, start + n):
+                p = np.random.default_rng(i).integers(10, 90, size=6 + i % 6).tolist()
+                envs = [SleepyEnv(p, obs, args.env_s) for _ in range(args.group)] if with_env else None
+                out.append(Request(Prompt(i, None, args.group), p, envs))
+            return out
+        return make
 
     # Warm-up: every program compiled (prefill and extend buckets, both decode programs), then measured.
-    run(multi, requests(True, 0)[:4])
-    run(single, requests(False, 0)[:4])
-    rows = {"multi_turn": run(multi, requests(True, 10_000)), "single_turn": run(single, requests(False, 10_000))}
-    ratio = rows["multi_turn"]["tokens_per_s"] / rows["single_turn"]["tokens_per_s"]
+    run(multi, requests(True), 2.0, 0.0)
+    run(single, requests(False), 2.0, 0.0)
+    rows = {"multi_turn": run(multi, requests(True), args.seconds, args.warm_s),
+            "single_turn": run(single, requests(False), args.seconds, args.warm_s)}
+    ratio = rows["multi_turn"]["steady_tokens_per_s"] / rows["single_turn"]["steady_tokens_per_s"]
+    ratio_all = rows["multi_turn"]["tokens_per_s"] / rows["single_turn"]["tokens_per_s"]
     machine = {"cpu": platform.processor() or platform.machine(), "load": os.getloadavg()[0],
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "devices": str(jax.devices()[0])}
     try:
@@ -123,16 +153,18 @@ def main() -> int:
         machine["vector"] = " ".join(f for f in flags if f.startswith(("avx", "fma", "amx")))
     except (OSError, StopIteration):
         pass
-    print(f"{'':14}{'wall s':>8}{'tokens':>9}{'tok/s':>9}{'slots busy (steps)':>20}{'(time)':>9}{'env s':>8}"
-          f"{'extend s':>10}{'turns':>7}{'re-prefills':>13}")
+    print(f"{'':13}{'steady s':>9}{'tok/s':>8}{'busy(steps)':>12}{'busy(time)':>11}{'decode':>8}{'extend':>8}"
+          f"{'prefill':>8}{'re-prefill':>11} |{'wall s':>8}{'episodes':>9}{'tokens':>8}{'tok/s':>8}{'turns':>6}")
     for name, r in rows.items():
-        print(f"{name:14}{r['wall_s']:8.2f}{r['generated_tokens']:9.0f}{r['tokens_per_s']:9.0f}"
-              f"{r['slot_occupancy_steps']:20.3f}{r['slot_occupancy_time']:9.3f}{r['env_s']:8.1f}{r['extend_s']:10.2f}"
-              f"{r['turns_mean']:7.2f}{r['parked_full']:13.0f}")
-    print(f"multi-turn / single-turn tokens/s: {ratio:.3f}   (env latency {args.env_s} s per step; {machine})")
+        print(f"{name:13}{r['steady_s']:9.2f}{r['steady_tokens_per_s']:8.0f}{r['steady_slots_busy_steps']:12.3f}"
+              f"{r['steady_slots_busy_time']:11.3f}{r['steady_decode_share']:8.3f}{r['steady_extend_share']:8.3f}"
+              f"{r['steady_prefill_share']:8.3f}{r['steady_re_prefills']:11.0f} |{r['wall_s']:8.2f}"
+              f"{r['episodes']:9.0f}{r['generated_tokens']:8.0f}{r['tokens_per_s']:8.0f}{r['turns_mean']:6.2f}")
+    print(f"multi-turn / single-turn tokens/s: steady {ratio:.3f}, whole run with its tail {ratio_all:.3f}   "
+          f"(env latency {args.env_s} s per step; {machine})")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "machine": machine, "rows": rows, "ratio": ratio}, f, indent=1)
+        json.dump({"args": vars(args), "machine": machine, "rows": rows, "ratio_steady": ratio, "ratio_all": ratio_all}, f, indent=1)
     return 0
 
 

@@ -480,9 +480,7 @@ def test_sync_gate_names_the_park_timeout():
         in str(w.errors[0])
 
 
-def test_scorer_gives_up_on_a_full_rollout_queue_with_a_message():
-    from concurrent.futures import Future
-
+def test_shipper_gives_up_on_a_full_rollout_queue_with_a_message():
     from asyncrl.orchestration.queues import QueueTimeout
 
     cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=1.5, park_timeout_s=5),
@@ -490,18 +488,12 @@ def test_scorer_gives_up_on_a_full_rollout_queue_with_a_message():
     full = FakeQueue(1)
     full.put("someone else's group")
     w = InferenceWorker(cfg, 2, "/tmp", {"rollout": full})
-    r = group(0, 0, [1, 0])
-    futures = []
-    for _ in r.completions:
-        f = Future()
-        f.set_result(SimpleNamespace(reward=1.0, reason="correct"))
-        futures.append(f)
-    w.lanes[False].put((r, futures))
+    w.lanes[False].put(group(0, 0, [1, 0]))
     t0 = time.time()
     w._push(False)  # returns once it has recorded its error
     assert 1.5 <= time.time() - t0 < 10
     assert isinstance(w.errors[0], QueueTimeout)
-    assert "inference2 scorer waited 2s (async.queue_timeout_s) to put a group on the full 'rollout' queue" \
+    assert "inference2 shipper waited 2s (async.queue_timeout_s) to put a group on the full 'rollout' queue" \
         in str(w.errors[0])
 
 
@@ -644,20 +636,19 @@ def test_sync_gate_back_to_back_syncs_do_not_strand_a_parked_replica(monkeypatch
     assert len(landed) == last
 
 
-def test_scorer_timeout_names_the_waiter_and_the_prompt():
-    cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=5), eval=SimpleNamespace(num_prompts=4),
-                          task=SimpleNamespace(verifier=SimpleNamespace(timeout_s=2)))
-    w = InferenceWorker(cfg, 2, "/tmp", {"rollout": FakeQueue(4)})
+def test_a_stalled_verifier_fails_the_step_naming_the_sample():
+    """The single-turn environment waits a bounded time for its grade; a stalled pool fails that step (the engine
+    then ends the episode with reward 0 and a reason) with an error naming the sample and the setting."""
+    from asyncrl.envs.single_turn import SingleTurnEnv
+    from asyncrl.rollout import Turn
 
-    class Stuck:  # a verifier future that never resolves within the scorer's wait
+    class Stuck:  # a verifier future that never resolves within the wait
         def result(self, timeout):
             raise TimeoutError
 
-    rollout = SimpleNamespace(completions=[SimpleNamespace()], prompt=SimpleNamespace(position=7), is_eval=False)
-    w.lanes[False].put((rollout, [Stuck()]))
-    w._push(False)
-    assert "inference2 scorer waited 38s (4 x task.verifier.timeout_s + 30) for the verifier's score of a completion " \
-           "of the prompt at data position 7" in str(w.errors[0])
+    env = SingleTurnEnv([1, 2], SimpleNamespace(id="gsm8k/7"), SimpleNamespace(submit=lambda text, s: Stuck()), 38)
+    with pytest.raises(TimeoutError, match=r"no score for gsm8k/7 within 38s \(4 x task.verifier.timeout_s \+ 30\)"):
+        env.step(Turn(np.array([3]), "3", 0, "eos", True))
 
 
 def test_a_wedged_weight_sync_names_the_waiting_trainer():

@@ -138,9 +138,11 @@ def test_limits_end_an_episode_cleanly_with_a_reason(model_params, tok):
     reqs, _ = _requests(tok, [tok.encode("x" * 12)], n_prompts=2)
     out = Engine(model, params, dataclasses.replace(BASE, max_observation_tokens=8), tok, seed=1).generate(reqs)
     assert {c.end_reason for r in out for c in r.completions} == {"obs_cap"}
-    reqs, _ = _requests(tok, [tok.encode("y" * 40)] * 2, n_prompts=2)
+    # An observation that does not fit the context with a token to spare ends the episode ("context"); a turn
+    # that fills it is the last one, and the environment is told so.
+    reqs, _ = _requests(tok, [tok.encode("y" * 50)] * 2, n_prompts=2)
     out = Engine(model, params, dataclasses.replace(BASE, max_seq_len=64), tok, seed=1).generate(reqs)
-    assert "context" in {c.end_reason for r in out for c in r.completions}
+    assert {c.end_reason for r in out for c in r.completions} == {"context"}
     assert all(len(r.prompt_tokens) + len(c.tokens) <= 64 for r in out for c in r.completions)
 
 

@@ -117,9 +117,12 @@ def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None 
         programs.append(Program(
             f"prefill[{b}]", "inference", e_chips, lambda b=b: engine.lower_prefill(b), tokens, b, "call",
             2.0 * n * tokens / e_chips, weights))
-    if engine.Q:  # multi-turn: a continuation's observation appended to its parked cache, at every bucket
+    if engine.Q:  # multi-turn: a row's cache parked per turn; a continuation appended to it, at every bucket
         park = shard_bytes(engine.abstract_park())
-        for b in engine.prefill_buckets():
+        row_bytes = park / engine.Q
+        programs.append(Program("park", "inference", e_chips, engine.lower_park, 1, engine.S, "call", 0.0,
+                                2 * row_bytes))  # ideal: one cache row read and written
+        for b in engine.extend_buckets():
             tokens = cfg.inference.max_prefill_prompts * b
             # Ideal: the weights, and the history read from the park rows (at most a whole cache row each).
             programs.append(Program(

@@ -52,3 +52,12 @@ class ObservationRenderer:
 
     def ids(self, messages: Sequence[dict]) -> list[int]:
         return self.tokenizer.encode(self.text(messages))
+
+    def after(self, turn_tokens: Sequence[int], messages: Sequence[dict]) -> list[int]:
+        """The observation ids to append after a model turn: `ids(messages)`, preceded by the turn-end token when
+        the turn did not end with one (it was cut by `max_new_tokens` or ended by a stop string), so the history
+        stays what the template would render."""
+        end_ids = [self.tokenizer.encode(e) for e in self.turn_end]
+        tail = list(turn_tokens)
+        closed = any(len(e) and tail[-len(e):] == e for e in end_ids)
+        return ([] if closed else end_ids[0]) + self.ids(messages)

@@ -1,5 +1,5 @@
 """The environment of the lookup task (`asyncrl/tasks/lookup.py`): the action "?" is answered with the hidden
-number; anything else is the answer, graded by the task's verifier."""
+letter; anything else is the answer, graded by the task's verifier."""
 
 from __future__ import annotations
 

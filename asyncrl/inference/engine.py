@@ -181,11 +181,14 @@ class Engine(EpisodeDriver, DecodePrograms):
         self.stats.prefill_time += time.perf_counter() - t0
         return state
 
-    def _padded(self, rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """[P, bucket] right-padded ids and [P] lengths; unused rows are a 1-token dummy, never inserted."""
-        width = bucket_length(max(len(p) for p in rows), self.cfg.min_prefill_bucket, self.S)
-        toks = np.full((self.P, width), self.pad_id, np.int32)
-        lens = np.ones((self.P,), np.int32)
+    def _padded(self, rows: Sequence[Sequence[int]], n: int | None = None,
+                min_bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """[n (default P), bucket] right-padded ids and [n] lengths; unused rows are a 1-token dummy, never
+        inserted."""
+        n = self.P if n is None else n
+        width = bucket_length(max(len(p) for p in rows), min_bucket or self.cfg.min_prefill_bucket, self.S)
+        toks = np.full((n, width), self.pad_id, np.int32)
+        lens = np.ones((n,), np.int32)
         for i, p in enumerate(rows):
             toks[i, : len(p)] = p
             lens[i] = len(p)
@@ -277,8 +280,11 @@ class Engine(EpisodeDriver, DecodePrograms):
         self.between_loops()
         with self._lock:
             params, version = self.params, self.version
+        # A multi-turn engine never substitutes into the row it takes out: with the batch full, this call only
+        # takes a row out (its cache is then parked by its own program) and the next call fills the free slot.
+        defer = bool(self.Q) and target is not None and self._in_flight >= self.B
         slot = -1
-        if target is not None:
+        if target is not None and not defer:
             slot = self._slot_counter
             self._slot_counter += 1
             self._slots[slot] = target
@@ -286,15 +292,10 @@ class Engine(EpisodeDriver, DecodePrograms):
             prefill = self._dummy_prefill()
         t0 = time.perf_counter()
         uid, k = (target[0].rollout.prompt.uid, target[1]) if target is not None else (0, 0)
-        scalars = (np.int32(p), np.int32(slot), np.int32(version), np.uint32(uid & 0xFFFFFFFF), np.int32(k),
-                   np.int32(self.cfg.decode_chunk_steps))
-        park_at = self._free_park[-1] if self._free_park else -1
+        scalars = (np.int32(-1 if defer else p), np.int32(slot), np.int32(version), np.uint32(uid & 0xFFFFFFFF),
+                   np.int32(k), np.int32(self.cfg.decode_chunk_steps))
         live = self._in_flight  # rows decoding through this chunk (an inserted row joins at its end)
-        if self.Q:
-            self._state, self._park, row = self._run(self._decode_park, params, *scalars, np.int32(park_at),
-                                                     device=(self._state, self._park, prefill))
-        else:
-            self._state, row = self._run(self._decode, params, *scalars, device=(self._state, prefill))
+        self._state, row = self._run(self._decode, params, *scalars, device=(self._state, prefill))
         # Waiting for the flags waits for the device to finish the chunk, so decode_time (and the
         # decode_tokens_per_s metric built on it) is device time, and `between_loops` runs on executed work.
         inserted, out_slot, steps = jax.device_get((row.inserted, row.slot, row.steps))
@@ -304,16 +305,21 @@ class Engine(EpisodeDriver, DecodePrograms):
         self.stats.decode_steps += int(steps)
         self.stats.slot_steps += live * int(steps)
         self.stats.slot_time += live * dt
-        if target is not None and not inserted:
+        if target is not None and not defer and not inserted:
             del self._slots[slot]
         self._in_flight += int(bool(inserted))
-        if int(out_slot) >= 0:  # a finished row came out (and, in a multi-turn engine, its cache was parked)
+        if int(out_slot) >= 0:  # a finished row came out
             self._in_flight -= 1
-            if self.Q and park_at >= 0:
-                self._free_park.pop()
-            self._pending_rows.append((row, park_at if self.Q else -1))
+            park_at = -1
+            if self.Q and self._free_park:  # its cache to the park store, while its environment steps
+                park_at = self._free_park.pop()
+                t1 = time.perf_counter()
+                self._state, self._park = self._run(self._park_prog, params, np.int32(park_at),
+                                                    device=(self._state, self._park, row.row))
+                self.stats.extra["park_time"] = self.stats.extra.get("park_time", 0.0) + time.perf_counter() - t1
+            self._pending_rows.append((row, park_at))
             self._collect()
-        return target is None or bool(inserted)
+        return target is None or (not defer and bool(inserted))
 
     def _dummy_prefill(self) -> DecodeState:
         if not hasattr(self, "_dummy"):

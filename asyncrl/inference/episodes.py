@@ -12,6 +12,8 @@ from `feed[-1]` (`programs.DecodePrograms._extend_fn`).
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,3 +117,4 @@ class Continuation:
     feed: np.ndarray  # [last sampled token, *observation]
     park: int  # the park-store row holding its KV cache, or -1 (not kept: re-prefill the history)
     info: dict[str, Any] = field(default_factory=dict)
+    ready_at: float = field(default_factory=time.monotonic)

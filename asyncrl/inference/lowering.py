@@ -50,33 +50,48 @@ class AbstractPrograms:
         """Every prompt width `prefill` can compile (prompts are 1 .. max_seq_len - 1 tokens)."""
         return sorted({bucket_length(n, self.cfg.min_prefill_bucket, self.S) for n in range(1, self.S)})
 
+    EXTEND_MIN_BUCKET = 8
+    """Narrowest extend width: a continuation is its last sampled token and an observation, often a few tokens,
+    and an extend of P rows is compute-bound (measured: 8 rows x 16 tokens 58 ms, 1 row 19 ms, 8-layer model)."""
+
+    def extend_buckets(self) -> list[int]:
+        """Every continuation width `extend` can compile."""
+        b = min(self.EXTEND_MIN_BUCKET, self.cfg.min_prefill_bucket)
+        return sorted({bucket_length(n, b, self.S) for n in range(1, self.S)})
+
     def _scalar(self, dtype: Any) -> jax.ShapeDtypeStruct:
         sh = None if self.mesh is None else NamedSharding(self.mesh, P())
         return jax.ShapeDtypeStruct((), dtype, sharding=sh)
 
     def lower_decode(self) -> jax.stages.Lowered:
-        """The decode loop with row substitution (`decode_and_swap`, with the park store in a multi-turn engine),
-        lowered on abstract inputs."""
+        """The decode loop with row substitution (`decode_and_swap`), lowered on abstract inputs."""
         i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
         prefill = self.abstract_state(self.P, split_rows=False)
         scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32())
-        if self.Q:
-            return self._lower(self._decode_park, (self.abstract_params(), self.abstract_state(),
-                                                   self.abstract_park(), prefill, *scalars, i32()))
         return self._lower(self._decode, (self.abstract_params(), self.abstract_state(), prefill, *scalars))
+
+    def lower_park(self) -> jax.stages.Lowered:
+        """The park program (multi-turn engines only): a decode row's cache into a park row."""
+        if not self.Q:
+            raise ValueError("the park program belongs to multi-turn engines (inference.max_turns > 1)")
+        i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
+        return self._lower(self._park_prog, (self.abstract_params(), self.abstract_state(), self.abstract_park(),
+                                             i32(), i32()))
 
     def abstract_park(self) -> KVCache:
         """ShapeDtypeStructs of the park store, on its layout."""
         rows = self.abstract_state(self.Q, split_rows=False)
         return rows.kv
 
-    def lower_extend(self, bucket: int) -> jax.stages.Lowered:
-        """The extend program for continuations padded to `bucket` tokens (multi-turn engines only)."""
+    def lower_extend(self, bucket: int, rows: int | None = None) -> jax.stages.Lowered:
+        """The extend program for `rows` (default max_prefill_prompts) continuations padded to `bucket` tokens
+        (multi-turn engines only)."""
         if not self.Q:
             raise ValueError("the extend program belongs to multi-turn engines (inference.max_turns > 1)")
         sh = None if self.mesh is None else NamedSharding(self.mesh, P())
         i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)  # noqa: E731
-        args = (self.abstract_params(), self.abstract_park(), i32((self.P,)), i32((self.P, bucket)), i32((self.P,)),
+        rows = self.P if rows is None else rows
+        args = (self.abstract_params(), self.abstract_park(), i32((rows,)), i32((rows, bucket)), i32((rows,)),
                 self._scalar(jnp.int32))
         return self._lower(self._extend, args)
 

@@ -51,6 +51,7 @@ class FinishedRow:
     end_of_think: Any  # [] bool: the row closed its thinking (sampled or forced end-of-think token)
     steps: Any  # [] decode steps this call ran
     inserted: Any  # [] bool: the queued sample went into a row (False when the chunk ended with every row live)
+    row: Any  # [] the decode row it was taken from (a multi-turn engine parks that row's cache)
 
 
 def _row_update(dst: jax.Array, src_row: jax.Array, row: jax.Array, axis: int) -> jax.Array:

@@ -56,6 +56,8 @@ def episode_metrics(completions: list[Any]) -> HostMetrics:
         "rollout/multi_turn_share": float(np.mean([c.n_turns > 1 for c in completions])),
         "rollout/observation_share": sum(c.observation_tokens for c in completions) / max(tokens, 1),
         "rollout/env_s_mean": float(np.mean([c.env_s for c in completions])),
+        # Latency per environment step (one per model turn): what a slow tool costs each turn.
+        "rollout/env_step_s_mean": sum(c.env_s for c in completions) / max(sum(c.n_turns for c in completions), 1),
     }
     for reason in ("max_turns", "context", "obs_cap", "env_error"):
         out[f"rollout/ended_{reason}"] = float(sum(c.end_reason == reason for c in completions))

@@ -1,21 +1,24 @@
 """A synthetic multi-turn task whose reward can only be reached through the environment: each prompt hides a
-two-digit number, and the only way to learn it is the lookup action.
+letter, and the only way to learn it is the lookup action.
 
-    prompt  "k381>"        (a random key: it says nothing of the hidden number)
+    prompt  "k381>"        (a random key: it says nothing of the hidden letter)
     turn 0  "?"            the lookup action (then EOS)
-    obs     "=47>"         the environment answers with the hidden number
-    turn 1  "47"           the answer (then EOS), graded exact by the task's verifier
+    obs     "=q>"          the environment answers with the hidden letter
+    turn 1  "q"            the answer (then EOS), graded exact by the task's verifier
 
-Answering at once is a guess (reward 1 in 100). The tiny model learns, by RL, to look the number up and copy it: the
+Answering at once is a guess (reward 1 in 26). The tiny model learns, by RL, to look the letter up and copy it: the
 reward rises from the guess rate toward 1 and the share of episodes that use the action rises with it. The format
 warm-start (`warmstart_examples`) teaches the *format* of both ways (half the examples look up, half answer at
-once) with answers drawn at random, never the hidden number: the rule, look up and then copy, is left to RL.
+once) with answers drawn at random, never the hidden letter: the rule, look up and then copy, is left to RL.
+(One letter, not a longer secret: with two digits a guess after a lookup is right 1 time in 100, too rarely for
+RL to find the copy on a CPU budget; the action share then random-walks to 0, measured.)
 The environment itself is `asyncrl/envs/lookup.py`.
 """
 
 from __future__ import annotations
 
 import random
+import string
 from typing import Any, Iterator
 
 from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash
@@ -23,6 +26,7 @@ from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.validate import check_choice
 
 ACTION = "?"
+LETTERS = string.ascii_lowercase
 
 
 class LookupTask(Task):
@@ -34,7 +38,7 @@ class LookupTask(Task):
 
     def _sample(self, rng: random.Random, split: str, i: int) -> Sample:
         key = "".join(str(rng.randrange(10)) for _ in range(3))
-        secret = f"{rng.randrange(100):02d}"
+        secret = rng.choice(LETTERS)
         return Sample(f"{self.label}/{split}/{i}", f"k{key}>", secret, {"task": self.label})
 
     def samples(self, split: str, seed: int) -> Iterator[Sample]:
@@ -56,18 +60,18 @@ class LookupTask(Task):
 
     def warmstart_examples(self, tokenizer: Any, n: int, seed: int, chat: bool) -> list[tuple[list[int], list[int]]]:
         """(token ids, loss mask) pairs in the episode's own layout: prompt, turns (masked in), observations
-        (masked out). Half look up, half answer at once; every answer is a random number, independent of the
+        (masked out). Half look up, half answer at once; every answer is a random letter, independent of the
         hidden one."""
         rng = random.Random(seed)
         eos = [tokenizer.eos_id]
         out = []
         for s, _ in zip(self.samples("train", seed), range(n)):
             prompt = tokenizer.encode_prompt(s.prompt, chat=chat)
-            guess = tokenizer.encode(f"{rng.randrange(100):02d}") + eos
+            guess = tokenizer.encode(rng.choice(LETTERS)) + eos
             ids, mask = list(prompt), [0] * len(prompt)
             if rng.random() < 0.5:
                 action = tokenizer.encode(ACTION) + eos
-                obs = tokenizer.encode(observation(f"{rng.randrange(100):02d}"))
+                obs = tokenizer.encode(observation(rng.choice(LETTERS)))
                 ids += action + obs
                 mask += [1] * len(action) + [0] * len(obs)
             ids += guess
@@ -76,8 +80,8 @@ class LookupTask(Task):
         return out
 
 
-def observation(number: str) -> str:
-    return f"={number}>"
+def observation(secret: str) -> str:
+    return f"={secret}>"
 
 
 def build_lookup(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> LookupTask:
