@@ -161,6 +161,21 @@ def test_cli_compiles_the_tiny_preset_for_v5p_and_counts_flops():
 
 
 @needs_libtpu
+def test_cli_compiles_the_multi_turn_programs_for_v5p():
+    """A multi-turn run's own programs (park, and extend at every continuation width) compile for the slice and
+    report their fit and bytes; a single-turn run has neither."""
+    out = _aot("--config-name", "tpu_tiny", "--json", "--programs", "park,extend", "inference.max_turns=3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["program"]: r for r in json.loads(out.stdout)}
+    assert "park" in rows and any(name.startswith("extend[") for name in rows)
+    assert "extend[8]" in rows  # the narrowest continuation width
+    for r in rows.values():
+        assert r["fits"] and 0 < r["peak_bytes_per_chip"] < r["hbm_bytes_per_chip"] and r["hbm_bytes_accessed"] > 0
+    single = _aot("--config-name", "tpu_tiny", "--json", "--programs", "park,extend")
+    assert single.returncode == 0 and json.loads(single.stdout) == [], single.stderr[-2000:]
+
+
+@needs_libtpu
 def test_cli_reports_a_program_that_does_not_fit():
     out = _aot("--config-name", "tpu_tiny", "--programs", "train_step", "train.train_batch_size=1048576",
                "train.grad_accum_steps=1")

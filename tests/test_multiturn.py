@@ -239,3 +239,25 @@ def test_a_row_continued_after_an_observation_matches_a_fresh_prefill_on_a_dp_x_
     (eng,) = rs.engines
     assert eng.mesh.shape == {"dp": 2, "tp": 2}
     _continuation_matches_a_fresh_prefill(eng, model, params, tok.encode("9 2 6>3"), tok.encode("=5>"))
+
+
+def test_a_weight_sync_between_turns_shows_in_the_versions_and_the_lag(model_params, tok):
+    """New weights land while the environment steps: the first turn carries version 0, the observation's cache entries
+    and the next turn version 1, and the completion's oldest version (what the lag counts) stays 0."""
+    model, params = model_params
+    eng = Engine(model, params, dataclasses.replace(BASE, max_turns=2), tok, seed=1)
+
+    class SyncingEnv(ScriptedEnv):
+        def step(self, turn):
+            if turn.index == 0:
+                eng.set_params(params, 1)  # a weight sync landing between turns
+            return super().step(turn)
+
+    ids = tok.encode("3 1 4>")
+    out = eng.generate([Request(Prompt(0, "x", 2), ids, [SyncingEnv(ids, [tok.encode("=4>")]) for _ in range(2)])])
+    for c in out[0].completions:
+        assert c.n_turns == 2
+        first = (c.turns == 0) & ~c.observation
+        assert (c.versions[first] == 0).all()
+        assert (c.versions[c.observation] == 1).all() and (c.versions[c.turns == 1] == 1).all()
+        assert c.oldest_version == 0 and c.end_version == 1

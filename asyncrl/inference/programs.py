@@ -270,24 +270,43 @@ class DecodePrograms(AbstractPrograms):
     def _park_fn(self, params: Any, s: DecodeState, park: KVCache, row: jax.Array, at: jax.Array
                  ) -> tuple[DecodeState, KVCache]:
         """Decode row `row`'s keys, values and length into park row `at` (`params` unused: the engine's calling
-        convention). Rows split over a data axis are taken by a masked reduction, valid whatever the rows'
-        sharding; otherwise by a dynamic slice."""
+        convention). Rows split over a data axis: the device holding the row slices it out, the others give zeros,
+        and a sum over the data axis hands it to every device (a masked reduction over all rows read the whole
+        decode cache: 27 GB and 9.9 ms a call for the Llama 8B preset, 0.4 ms ideal)."""
         del params
-        split = self._data_spec() is not None
         sel = jnp.arange(s.active.shape[0]) == row
+        length = jnp.sum(jnp.where(sel, s.kv.length, 0))
+        spec = self._data_spec()
+        if self.mesh is None or spec is None:
+            k, v = s.kv.k, s.kv.v
+            take = lambda src: jax.lax.dynamic_slice_in_dim(src, row, 1, axis=1)  # noqa: E731  [L, 1, K, S, Dh]
+            rows_k, rows_v = jax.tree.map(take, k), jax.tree.map(take, v)
+        else:
+            rows_k, rows_v = self._row_from_split(s.kv.k, s.kv.v, row, spec)
 
-        def one(dst: jax.Array, src: jax.Array) -> jax.Array:
-            if split:
-                m = sel.reshape((1, -1) + (1,) * (src.ndim - 2))
-                r = jnp.sum(jnp.where(m, src, 0), axis=1, keepdims=True).astype(dst.dtype)
-            else:
-                r = jax.lax.dynamic_slice_in_dim(src, row, 1, axis=1)  # [L, 1, K, S, Dh]
+        def put(dst: jax.Array, r: jax.Array) -> jax.Array:
             return jax.lax.dynamic_update_slice_in_dim(dst, r.astype(dst.dtype), at, axis=1)
 
-        length = jnp.sum(jnp.where(sel, s.kv.length, 0))
-        park = KVCache(k=jax.tree.map(one, park.k, s.kv.k), v=jax.tree.map(one, park.v, s.kv.v),
+        park = KVCache(k=jax.tree.map(put, park.k, rows_k), v=jax.tree.map(put, park.v, rows_v),
                        length=park.length.at[at].set(length))
         return s, park
+
+    def _row_from_split(self, k: Any, v: Any, row: jax.Array, spec: Any) -> tuple[Any, Any]:
+        axes = (spec,) if isinstance(spec, str) else tuple(spec)
+        cache_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.B).kv)
+        out_specs = jax.tree.map(lambda ns: ns.spec, self.park_shardings())
+
+        def local(k_local, v_local, row):
+            b_local = jax.tree.leaves(k_local)[0].shape[1]
+            start = jax.lax.axis_index(axes) * b_local
+            here = (row >= start) & (row < start + b_local)
+            i = jnp.clip(row - start, 0, b_local - 1)
+            one = lambda x: jax.lax.psum(  # noqa: E731
+                jnp.where(here, jax.lax.dynamic_slice_in_dim(x, i, 1, axis=1), jnp.zeros_like(x[:, :1])), axes)
+            return jax.tree.map(one, k_local), jax.tree.map(one, v_local)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(cache_specs.k, cache_specs.v, P()),
+                             out_specs=(out_specs.k, out_specs.v))(k, v, row)
 
     def _extend_fn(self, params: Any, park: KVCache, idx: jax.Array, feed: jax.Array, lens: jax.Array,
                    version: jax.Array) -> DecodeState:
@@ -300,7 +319,10 @@ class DecodePrograms(AbstractPrograms):
             rows, _ = feed.shape  # a power of two <= P: a lone continuation does not pay for P rows of compute
             live = idx >= 0
             at = jnp.maximum(idx, 0)
-            gather = lambda x: jnp.take(x, at, axis=1)  # noqa: E731 - [L, rows, K, S, Dh] from [L, Q, K, S, Dh]
+            # One dynamic slice per row, not a gather: the TPU compiler's gather over the park store read all of it
+            # (measured: 100 GB a call for the 8B preset's 27 GB store).
+            gather = lambda x: jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, at[i], 1, axis=1)  # noqa: E731
+                                                for i in range(rows)], axis=1)  # [L, rows, K, S, Dh]
             kv = KVCache(k=jax.tree.map(gather, park.k), v=jax.tree.map(gather, park.v),
                          length=jnp.where(live, jnp.take(park.length, at), 0))
             if self.mesh is not None:

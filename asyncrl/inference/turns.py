@@ -104,8 +104,7 @@ class EpisodeDriver:
             if parked:
                 t0 = time.perf_counter()
                 rows = min(self.P, 1 << (len(parked) - 1).bit_length())  # a power of two: few programs
-                feeds, lens = self._padded([c.feed for c in parked], rows, min(self.EXTEND_MIN_BUCKET,
-                                                                               self.cfg.min_prefill_bucket))
+                feeds, lens = self._padded([c.feed for c in parked], rows, self.extend_min_bucket())
                 idx = np.full((rows,), -1, np.int32)
                 idx[: len(parked)] = [c.park for c in parked]
                 state = self._run(self._extend, params, idx, feeds, lens, np.int32(version), device=(self._park,))

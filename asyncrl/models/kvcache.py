@@ -100,4 +100,8 @@ def _write_rows(cache_k: jax.Array, cache_v: jax.Array, new_k: jax.Array, new_v:
         return tuple(jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(n, b, 1, axis=1), at)
                      for c, n in zip(caches, (new_k, new_v)))
 
-    return jax.lax.fori_loop(0, cache_k.shape[1], row, (cache_k, cache_v))
+    # Several tokens a row (an extend: a continuation appended to parked caches, a few rows): unrolled. As a loop,
+    # the TPU compiler fails on it for the 8B presets at some widths (an XLA RET_CHECK that swaps the loop's cache
+    # output for its new-token operand). A decode step's one token a row keeps the loop, as it always had.
+    unroll = cache_k.shape[1] if new_k.shape[3] > 1 and cache_k.shape[1] <= 16 else 1
+    return jax.lax.fori_loop(0, cache_k.shape[1], row, (cache_k, cache_v), unroll=unroll)
