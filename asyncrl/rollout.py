@@ -195,9 +195,11 @@ class Environment(Protocol):
     """An episode, created per sampled trajectory. `reset` opens it with the prompt's token ids (every trajectory
     of a group opens identically); `step` answers each model turn. `step` may be slow (a tool, a game, a verifier):
     the engine runs it off its decode thread. `stop`: token sequences that end a model turn besides EOS (a tool
-    call's closing tag)."""
+    call's closing tag), read from the registered factory (a class attribute; texts are encoded with the run's
+    tokenizer): the engine's decode program compiles in the union over the run's environments
+    (`Environments.stop_sequences`)."""
 
-    stop: tuple[tuple[int, ...], ...]
+    stop: tuple[str | tuple[int, ...], ...]
 
     def reset(self) -> list[int]: ...
 

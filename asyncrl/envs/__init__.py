@@ -37,6 +37,18 @@ class Environments:
         self.task, self.tokenizer, self.verifier, self.chat = task, tokenizer, verifier, chat
         self.step_timeout_s = step_timeout_s
 
+    def stop_sequences(self) -> list[tuple[int, ...]]:
+        """The stop sequences of every environment the task may use (each factory's `stop`: texts, encoded with
+        the run's tokenizer, or token ids): the engine's decode program compiles them in and ends any row's turn on
+        one, so they are the union over the run."""
+        seqs = set()
+        for name in sorted(self.task.environments()):
+            for q in getattr(_REGISTRY.get(name), "stop", ()):
+                ids = self.tokenizer.encode(q) if isinstance(q, str) else [int(t) for t in q]
+                if ids:
+                    seqs.add(tuple(ids))
+        return sorted(seqs)
+
     def open(self, sample: Any, n: int) -> tuple[list[int], list[Any]]:
         name = self.task.environment_for(sample)
         if name not in _REGISTRY:

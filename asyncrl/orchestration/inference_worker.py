@@ -275,7 +275,7 @@ class InferenceWorker:
             self.replicas = ReplicaSet(Model(mcfg), self.gate.params, cfg.inference, self.tokenizer,
                                        devices=split_roles(jax.devices(), cfg.async_.train_workers).host_devices(jax.process_index()),
                                        seed=cfg.run.seed, version=self.gate.version,
-                                       name=f"inference{self.rank}")
+                                       name=f"inference{self.rank}", stop=self.envs.stop_sequences())
         threads = [threading.Thread(target=self._push, args=(lane,), name=f"shipper-{'eval' if lane else 'train'}",
                                     daemon=True) for lane in (True, False)]
         threads += [threading.Thread(target=self._replica_loop, args=(e,), name=e.name, daemon=True)

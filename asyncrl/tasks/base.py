@@ -97,6 +97,10 @@ class Task(abc.ABC):
         """The environment `sample` is played in (a mixture asks its source)."""
         return self.environment
 
+    def environments(self) -> set[str]:
+        """Every environment its samples may be played in."""
+        return {self.environment}
+
     def warmup(self) -> None:
         """Pay one-time import/compile costs (a verifier worker calls this before taking work)."""
 

@@ -65,6 +65,9 @@ class MixtureTask(Task):
     def environment_for(self, sample: Sample) -> str:
         return self.by_label[sample.metadata.get("task")].environment_for(sample)
 
+    def environments(self) -> set[str]:
+        return set().union(*(t.environments() for t in self.tasks))
+
     def render_answer(self, answer: str, sample: Sample) -> str:
         return self.by_label[sample.metadata.get("task")].render_answer(answer, sample)
 
