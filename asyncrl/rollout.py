@@ -84,7 +84,8 @@ class Completion:
     turns: np.ndarray | None = None  # [n] int32, the model turn each token belongs to (observations: the turn
     #                                  they answer); None: one turn
     observation: np.ndarray | None = None  # [n] bool, tokens the environment appended (also `forced`)
-    end_reason: str = "done"  # why the episode ended: "done" (the environment), "max_turns", "context", "obs_cap"
+    end_reason: str = "done"  # why the episode ended: "done" (the environment), "max_turns", "context", "obs_cap",
+    #                           "env_error" (its environment failed or gave no observation)
     turn_texts: list[str] = field(default_factory=list)
     env_s: float = 0.0  # seconds spent in environment steps
 

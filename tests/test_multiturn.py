@@ -284,3 +284,30 @@ def test_the_run_stops_turns_on_its_environments_stop_sequences(model_params, to
     model, params = model_params
     eng = Engine(model, params, BASE, tok, seed=1, stop=envs.stop_sequences())
     assert tuple(tok.encode("</t>")) in eng.stop
+
+
+@pytest.mark.parametrize("norm", ["token_mean", "seq_mean", "constant"])
+def test_every_normaliser_counts_model_tokens_only(model_params, tok, norm):
+    """On a batch of real multi-turn trajectories: observation tokens get zero weight, and each normaliser's
+    denominator is made of model tokens (token mean: all of them; sequence mean: each row's; Dr.GRPO's constant:
+    rows x the budget of model tokens)."""
+    from asyncrl.train.advantages import loss_weights
+
+    model, params = model_params
+    obs = [tok.encode("=4> and more observation text>")]
+    reqs, _ = _requests(tok, obs, n_prompts=2)
+    out = Engine(model, params, dataclasses.replace(BASE, max_turns=2), tok, seed=1).generate(reqs)
+    cfg = LossConfig(max_tokens=BASE.generation_budget, normalization=norm)
+    batch = build_batch(out, cfg)
+    w = np.asarray(loss_weights(jnp.asarray(batch.loss_mask), cfg))
+    comps = [(r, c) for r in out for c in r.completions]
+    assert all(c.observation_tokens > 0 for _, c in comps)
+    model_tokens = np.array([int((~c.forced).sum()) for _, c in comps])
+    for b, (r, c) in enumerate(comps):
+        p = len(r.prompt_tokens)
+        assert (w[b, p:p + len(c.tokens)][c.observation] == 0).all()
+        nz = w[b][w[b] > 0]
+        expect = {"token_mean": model_tokens.sum(), "seq_mean": model_tokens[b] * len(comps),
+                  "constant": len(comps) * BASE.generation_budget}[norm]
+        np.testing.assert_allclose(nz, 1.0 / expect, rtol=1e-6)
+        assert len(nz) == model_tokens[b]
