@@ -72,7 +72,7 @@ class Task(abc.ABC):
     """Names this source in sample ids, metadata["task"] and per-source metrics; unique within a mixture."""
     environment: str = "single_turn"
     """The environment its samples are played in (`asyncrl/envs`): 'single_turn' answers once and is graded by
-    `score`; a multi-turn task names its own (the run's `task.environment` can put a tool around any task)."""
+    `score`; a multi-turn task names its own (registered with `asyncrl.envs.register_environment`)."""
     # Attributes rebuilt lazily after unpickling (file contents, generator objects): a verifier worker needs
     # only what `score` reads, so these are not shipped to it.
     _transient: tuple[str, ...] = ()
