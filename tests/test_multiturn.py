@@ -14,9 +14,8 @@ import pytest
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet
-from asyncrl.models import Model, preset
+from asyncrl.models import Model
 from asyncrl.models.kvcache import KVCache
-from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
 from asyncrl.rollout import Prompt, StepResult
 from asyncrl.train.batch import build_batch
 from asyncrl.train.loss_config import LossConfig
@@ -24,17 +23,6 @@ from asyncrl.train.loss_config import LossConfig
 BASE = InferenceConfig(group_size=2, max_decode_batch_size=4, max_prefill_prompts=4, max_seq_len=96, temperature=1.0,
                        params_dtype="float32", kv_cache_dtype="float32", min_prefill_bucket=8, max_turns=3,
                        max_new_tokens=10)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return Tokenizer.from_folder(build_char_tokenizer(str(tmp_path_factory.mktemp("tok") / "char")))
-
-
-@pytest.fixture(scope="module")
-def model_params():
-    model = Model(preset("tiny"))
-    return model, model.init_params(jax.random.PRNGKey(0))
 
 
 class ScriptedEnv:
