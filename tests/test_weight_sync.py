@@ -2,6 +2,7 @@
 bit, whatever the bucket size, and the hops really overlap."""
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from asyncrl.models import params as params_lib, preset
+from asyncrl.weightsync import transfer
 from asyncrl.weightsync.transfer import plan_buckets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +45,22 @@ def _run(n: int, tw: int, ndev: int = 2, bucket_mb: float = 64.0, events: str = 
         for p in procs:
             p.kill()
     return [line for o in outs for line in o.splitlines() if line.startswith("RESULT")]
+
+
+def test_free_port_stays_out_of_the_ephemeral_range_and_skips_a_taken_port():
+    """The transfer socket binds at the first transfer, long after its port is picked; a port from the kernel's
+    ephemeral range can be taken by an outgoing connection meanwhile (CI: "bind: Address already in use")."""
+    eph = transfer._ephemeral_range()
+    first = transfer.free_port(rng=random.Random(7))
+    lo, hi = transfer.PORT_RANGE
+    if eph is None or eph[0] > lo or eph[1] < hi:  # some of the range lies outside the ephemeral one
+        assert lo <= first <= hi and (eph is None or not eph[0] <= first <= eph[1])
+    with socket.socket() as held:  # the same draw again, with its first pick now taken: it moves on
+        held.bind(("127.0.0.1", first))
+        again = transfer.free_port(rng=random.Random(7))
+        assert again != first
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", again))
 
 
 def _shapes():

@@ -52,9 +52,9 @@ class HostActor:
                 "ip": self.ip}
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind((self.ip if self.loopback else "", 0))
-            return s.getsockname()[1]
+        from asyncrl.weightsync.transfer import free_port
+
+        return free_port(self.ip if self.loopback else "")
 
     def dump_stacks(self) -> str:
         """Every Python thread's stack in this process (runs beside `run`: the actor has two threads)."""

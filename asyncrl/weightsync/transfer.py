@@ -31,6 +31,7 @@ trainer trains its next step while its previous weights travel.
 from __future__ import annotations
 
 import functools
+import random
 import socket
 import threading
 import time
@@ -46,8 +47,40 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from asyncrl.sharding.roles import split_roles
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+# Where `free_port` looks: above Ray's worker ports (10002-19999 by default) and below Linux's ephemeral range
+# (32768-60999 by default; macOS starts at 49152).
+PORT_RANGE = (20000, 32767)
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return None
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port that is free now, outside the kernel's ephemeral range where it can be.
+
+    The CPU transfer server binds its socket lazily, at the first cross-host transfer, often a minute after the
+    port was picked. A port from `bind(host, 0)` comes from the ephemeral range, which every outgoing connection
+    (Ray opens many) also draws from, so by then one of those may hold it ("bind: Address already in use", seen
+    in CI). Outgoing connections never take a port outside that range, so a random free one there stays free
+    unless another listener picks the very same port."""
+    rng = rng or random.Random()
+    lo, hi = PORT_RANGE
+    eph = _ephemeral_range()
+    candidates = [p for p in range(lo, hi + 1) if eph is None or not eph[0] <= p <= eph[1]]
+    for port in rng.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the ephemeral range covers everything (or all 64 were taken): the kernel picks
         s.bind((host, 0))
         return s.getsockname()[1]
 
