@@ -88,6 +88,7 @@ class Completion:
     #                           "env_error" (its environment failed or gave no observation)
     turn_texts: list[str] = field(default_factory=list)
     env_s: float = 0.0  # seconds spent in environment steps
+    env_info: list[dict] = field(default_factory=list)  # each environment step's non-empty `StepResult.info`
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

@@ -24,13 +24,14 @@ DIRECT = {
     "models": {"ops", "sharding"},
     "weightsync": {"sharding", "validate"},
     "tasks": {"validate"},
-    "envs": {"tasks", "rollout", "validate"},  # the environments a completion is sampled in (the protocol: rollout)
+    "tools": {"validate"},  # tool-call formats and the sandbox that runs model-written code
+    "envs": {"tasks", "tools", "rollout", "validate"},  # what a completion is sampled in (the protocol: rollout)
     "inference": {"models", "ops", "sharding", "validate", "rollout"},
     "train": {"models", "ops", "sharding", "validate", "rollout"},  # batch -> step math: no inference, no queues
     "orchestration": {"inference", "train", "tasks", "envs", "weightsync", "models", "sharding", "validate",
                       "rollout"},
     "aot": {"inference", "train", "models", "sharding"},
-    "config": {"inference", "orchestration", "tasks", "train", "weightsync", "validate"},  # the run's config
+    "config": {"inference", "orchestration", "tasks", "tools", "train", "weightsync", "validate"},  # the run's config
     "cli": {"config", "orchestration", "aot", "inference", "tasks", "models", "rollout", "validate"},
     "generate": {"cli"},  # `python -m asyncrl.generate`, kept
     "evaluate": {"cli"},

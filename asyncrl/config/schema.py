@@ -10,6 +10,7 @@ from asyncrl.validate import ConfigError, check, check_choice
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
 from asyncrl.tasks.config import TaskConfig
+from asyncrl.tools.config import ToolsConfig
 from asyncrl.train.config import ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.registry import validate as validate_loss
@@ -57,6 +58,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """The tools of task sources played in the 'tools' environment (`task.sources[i].environment=tools`)."""
 
     def __post_init__(self) -> None:
         validate_loss(self.loss)

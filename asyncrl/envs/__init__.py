@@ -1,7 +1,8 @@
 """Environments: what a completion is sampled in (the protocol: `asyncrl/rollout.py`, `Environment`).
 
 `Environments` opens, for each prompt, one environment per sample of its group, by the name its task gives
-(`Task.environment_for`): 'single_turn' (the answer graded once by the task's verifier) or a multi-turn one.
+(`Task.environment_for`): 'single_turn' (the answer graded once by the task's verifier), 'tools' (turns that call
+the configured tools until the model answers), or another multi-turn one.
 """
 
 from __future__ import annotations
@@ -10,13 +11,19 @@ from typing import Any, Callable
 
 from asyncrl.envs.lookup import LookupEnv
 from asyncrl.envs.single_turn import SingleTurnEnv
+from asyncrl.envs.textarena import TextArenaEnv
+from asyncrl.envs.tool_use import ToolEnv, Toolbox
+from asyncrl.tools.config import ToolsConfig
 
 EnvFactory = Callable[..., Any]
-"""(prompt ids, sample, verifier, step timeout, tokenizer) -> an environment."""
+"""(prompt ids, sample, verifier, step timeout, tokenizer) -> an environment. A factory with `needs_toolbox` also
+gets the process's `Toolbox` (keyword `toolbox`)."""
 
 _REGISTRY: dict[str, EnvFactory] = {
     "single_turn": lambda ids, sample, verifier, timeout_s, tokenizer: SingleTurnEnv(ids, sample, verifier, timeout_s),
     "lookup": LookupEnv,
+    "tools": ToolEnv,
+    "textarena": TextArenaEnv,  # text games (optional package: imported when a game opens)
 }
 
 
@@ -33,9 +40,27 @@ def registered_environments() -> list[str]:
 class Environments:
     """Opens the episodes of a run's prompts: `open(sample, n) -> (prompt ids, n environments)`."""
 
-    def __init__(self, task: Any, tokenizer: Any, verifier: Any, *, chat: bool, step_timeout_s: float):
+    def __init__(self, task: Any, tokenizer: Any, verifier: Any, *, chat: bool, step_timeout_s: float,
+                 tools: ToolsConfig | None = None):
         self.task, self.tokenizer, self.verifier, self.chat = task, tokenizer, verifier, chat
         self.step_timeout_s = step_timeout_s
+        self.tools_cfg = tools or ToolsConfig()
+        self._toolbox: Toolbox | None = None
+        unknown = sorted(set(task.environments()) - set(_REGISTRY))
+        if unknown:  # fail at start-up, not at the first prompt of that source
+            raise ValueError(f"environment(s) {unknown} (task.sources[i].environment, or the task's own) are not "
+                             f"registered; registered: {sorted(_REGISTRY)}")
+
+    @property
+    def toolbox(self) -> Toolbox:
+        """Built on first use, only for runs whose tasks use tools (its sandbox pool starts on the first call)."""
+        if self._toolbox is None:
+            self._toolbox = Toolbox(self.tools_cfg, self.tokenizer, self.chat)
+        return self._toolbox
+
+    def close(self) -> None:
+        if self._toolbox is not None:
+            self._toolbox.close()
 
     def stop_sequences(self) -> list[tuple[int, ...]]:
         """The stop sequences of every environment the task may use (each factory's `stop`: texts, encoded with
@@ -54,7 +79,9 @@ class Environments:
         if name not in _REGISTRY:
             raise ValueError(f"task sample {sample.id} names environment {name!r}; registered: {sorted(_REGISTRY)}")
         ids = self.tokenizer.encode_prompt(sample.prompt, chat=self.chat)
-        envs = [_REGISTRY[name](ids, sample, self.verifier, self.step_timeout_s, self.tokenizer) for _ in range(n)]
+        factory = _REGISTRY[name]
+        extra = {"toolbox": self.toolbox} if getattr(factory, "needs_toolbox", False) else {}
+        envs = [factory(ids, sample, self.verifier, self.step_timeout_s, self.tokenizer, **extra) for _ in range(n)]
         opened = [env.reset() for env in envs]
         if any(list(o) != list(opened[0]) for o in opened[1:]):
             raise ValueError(f"the environments of {sample.id} open differently; a group's samples must share "

@@ -48,6 +48,7 @@ class Episode:
     end_reason: str = "done"
     texts: list[str] = field(default_factory=list)
     env_s: float = 0.0
+    env_info: list[dict] = field(default_factory=list)
     done: bool = False
 
     @property
@@ -90,7 +91,7 @@ class Episode:
             versions=cat("versions", np.int32), prompt_version=self.prompt_version,
             text=self.texts[-1] if self.texts else "", finish_reason=self.finish, ended_thinking=self.ended_thinking,
             reward=self.reward, reason=self.reason, turns=turns, observation=obs, end_reason=self.end_reason,
-            turn_texts=list(self.texts), env_s=self.env_s,
+            turn_texts=list(self.texts), env_s=self.env_s, env_info=[dict(i) for i in self.env_info],
         )
 
 

@@ -53,6 +53,8 @@ class EpisodeDriver:
                 log.warning("%s: the environment of %s (sample %d) failed at turn %d: %r", self.name,
                             group.rollout.prompt.id, k, ep.turn - 1, e)
                 res = StepResult(None, 0.0, True, reason="env_error", info={"error": repr(e)})
+            if res.info:
+                ep.env_info.append(res.info)
             end = self._end_reason(ep, res, last)
             if end is None:
                 feed = np.concatenate([ep.parts[-1].tokens[-1:], np.asarray(res.observation, np.int32)])

@@ -61,6 +61,24 @@ def episode_metrics(completions: list[Any]) -> HostMetrics:
     }
     for reason in ("max_turns", "context", "obs_cap", "env_error"):
         out[f"rollout/ended_{reason}"] = float(sum(c.end_reason == reason for c in completions))
+    return {**out, **tool_metrics(completions)}
+
+
+def tool_metrics(completions: list[Any]) -> HostMetrics:
+    """Tool calls (the 'tools' environment's `info["tools"]`): calls per step and per episode, the share of
+    episodes that made one, the mean call latency, and errors by kind. Nothing when no episode had tools."""
+    calls = [[t for info in c.env_info for t in info.get("tools", ())] for c in completions]
+    flat = [t for ep in calls for t in ep]
+    if not flat:
+        return {}
+    out = {"tools/calls": float(len(flat)), "tools/calls_per_episode": len(flat) / len(completions),
+           "tools/episode_share": float(np.mean([bool(ep) for ep in calls])),
+           "tools/latency_s_mean": float(np.mean([t.get("latency_s", 0.0) for t in flat])),
+           "tools/errors": float(sum(t.get("error") is not None for t in flat))}
+    for t in flat:
+        if t.get("error") is not None:
+            key = f"tools/error_{t['error']}"
+            out[key] = out.get(key, 0.0) + 1.0
     return out
 
 

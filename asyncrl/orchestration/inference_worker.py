@@ -263,7 +263,7 @@ class InferenceWorker:
         self.task = build_task(cfg.task)
         self.verifier = Verifier(self.task, cfg.task.verifier)
         self.envs = Environments(self.task, self.tokenizer, self.verifier, chat=cfg.task.prompt_template == "chat",
-                                 step_timeout_s=cfg.task.verifier.timeout_s * 4 + 30)
+                                 step_timeout_s=cfg.task.verifier.timeout_s * 4 + 30, tools=cfg.tools)
         self.transfer = HopChainTransfer(cfg.async_.train_workers, jax.devices(), bucket_mb=cfg.weightsync.bucket_mb,
                                          timeout_s=cfg.weightsync.timeout_s)
         self.shapes = params_lib.shapes(mcfg, jnp.dtype(cfg.inference.params_dtype))
@@ -286,6 +286,7 @@ class InferenceWorker:
         while not self.stop.is_set():
             time.sleep(0.2)
         self.verifier.close()
+        self.envs.close()
         if self.errors:
             raise self.errors[0]
         return {}

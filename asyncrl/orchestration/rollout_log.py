@@ -42,6 +42,7 @@ def _record(step: int, version: int, r: Rollout) -> dict[str, Any]:
                 # Multi-turn episodes: every model turn's text, the observation tokens between them, why it ended.
                 **({"turns": c.turn_texts, "observation_tokens": c.observation_tokens, "end": c.end_reason}
                    if c.n_turns > 1 or c.end_reason != "done" else {}),
+                **({"env_info": c.env_info} if c.env_info else {}),  # e.g. each turn's tool calls and results
                 # [[first token index, version], ...]: one entry per run of equal versions
                 "versions": [[0, c.start_version], *map(list, c.version_boundaries)] if len(c.tokens) else [],
             } for c in r.completions]}

@@ -79,9 +79,15 @@ def warmstart(cfg: Any, trainer: Any, model: Any, run_dir: str) -> None:
     from asyncrl.train.warmstart import cached_format_warmstart
 
     # Every trainer host computes the same thing (same seed, same data), so no broadcast is needed.
+    task, tokenizer, key = build_task(cfg.task), load_tokenizer(cfg.model, run_dir), cfg.task
+    if "tools" in task.environments():  # examples in the tool episodes' own layout
+        from asyncrl.envs.tool_use import Toolbox, ToolWarmstart
+
+        task = ToolWarmstart(task, Toolbox(cfg.tools, tokenizer, cfg.task.prompt_template == "chat"))
+        key = (cfg.task, cfg.tools)
     params = cached_format_warmstart(
-        model, trainer.params_for_inference(jnp.float32), load_tokenizer(cfg.model, run_dir),
-        build_task(cfg.task), cfg.task, cfg.train.format_warmstart_steps, cache_dir(), cfg.run.seed,
+        model, trainer.params_for_inference(jnp.float32), tokenizer,
+        task, key, cfg.train.format_warmstart_steps, cache_dir(), cfg.run.seed,
         chat=cfg.task.prompt_template == "chat", lr=cfg.train.format_warmstart_lr,
         batch=cfg.train.format_warmstart_batch, source=repr(cfg.model))
     rng = trainer.rng

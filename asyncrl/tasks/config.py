@@ -44,11 +44,17 @@ class TaskSourceConfig:
     """Which split this source feeds: 'train', 'eval', or 'both' (then `task.eval_size` items are held out)."""
     options: Dict[str, Any] = field(default_factory=dict)
     """Task-specific settings, e.g. digits {op: max, min_digits: 3}, reasoning_gym {dataset: chain_sum, ...}."""
+    environment: Optional[str] = None
+    """The environment its samples are played in: null = the task's own ('single_turn' for a task with an answer:
+    graded once); 'tools' = turns that may call the run's `tools` (a sandboxed Python) before answering."""
 
     def validate(self, where: str) -> None:
         check(f"{where}.name", self.name, bool(self.name), "a registered task name")
         check(f"{where}.weight", self.weight, self.weight > 0, "> 0")
         check_choice(f"{where}.split", self.split, SOURCE_SPLITS)
+        if self.environment is not None:  # the name is checked against the registered ones when the run starts
+            check(f"{where}.environment", self.environment, isinstance(self.environment, str) and bool(self.environment),
+                  "an environment name, e.g. 'tools'")
         if self.schema is not None:
             check_choice(f"{where}.schema", self.schema, MATH_FILE_SCHEMAS)
         for key, column in self.field_map.items():

@@ -30,6 +30,7 @@ REVIEWED: dict[str, re.Pattern[str] | None] = {
     "gsm_symbolic": None,
     "simple_equations": None,
     "fraction_simplification": None,
+    "products": None,  # multi-digit multiplication (the tool preset); scorer: decimal compare, no eval
     "countdown": _ARITHMETIC_ONLY,  # scorer: float(sympy.parse_expr(answer))
     "puzzle24": _ARITHMETIC_ONLY,  # scorer: int(sympy.parse_expr(answer))
 }

@@ -17,6 +17,7 @@ from asyncrl.tasks.gym import build_gym
 from asyncrl.tasks.lookup import build_lookup
 from asyncrl.tasks.math_files import build_math_file
 from asyncrl.tasks.mixture import MixtureTask
+from asyncrl.tasks.textarena import build_textarena
 
 TaskFactory = Callable[[TaskSourceConfig, TaskConfig, str], Task]
 """(source config, whole task config, dotted key of the source for error messages) -> Task."""
@@ -26,6 +27,7 @@ _REGISTRY: dict[str, TaskFactory] = {
     "reasoning_gym": build_gym,
     "math_file": build_math_file,
     "lookup": build_lookup,
+    "textarena": build_textarena,
 }
 
 
@@ -49,7 +51,10 @@ def build_source(source: TaskSourceConfig, cfg: TaskConfig, where: str = "task.s
     """Build the task one source entry describes."""
     if source.name not in _REGISTRY:
         raise ConfigError(f"{where}.name={source.name!r} is invalid: must be one of {sorted(_REGISTRY)}")
-    return _REGISTRY[source.name](source, cfg, where)
+    task = _REGISTRY[source.name](source, cfg, where)
+    if source.environment is not None:  # the same questions, played in another environment (e.g. with tools)
+        task.environment = source.environment
+    return task
 
 
 def build_task(cfg: TaskConfig) -> Task:
