@@ -38,7 +38,7 @@ def read_rows(run_dir: str) -> list[dict]:
 
 def evals(rows: list[dict]) -> list[dict]:
     """One entry per eval, ordered by the step whose weights it measured."""
-    out = [{"at_step": int(r["eval/at_step"]), **{k[5:]: v for k, v in r.items() if k.startswith("eval/")}}
+    out = [{**{k[5:]: v for k, v in r.items() if k.startswith("eval/")}, "at_step": int(r["eval/at_step"])}
            for r in rows if "eval/reward_mean" in r]
     return sorted(out, key=lambda e: e["at_step"])
 
@@ -57,6 +57,7 @@ def reason_shares(groups: dict[str, dict]) -> dict[str, float]:
     """Share of eval completions per grading reason: separates "learned to state an answer the grader can read"
     (no_answer falls) from "learned to answer correctly" (correct rises among answered ones)."""
     reasons = [c["reason"] for g in groups.values() for c in g["completions"]]
+    reasons = [r or "none" for r in reasons]  # an episode ended by a limit while a tool step was its last
     return {r: reasons.count(r) / len(reasons) for r in sorted(set(reasons))}
 
 
@@ -76,16 +77,22 @@ def diff_interval(before: dict[str, dict], after: dict[str, dict], resamples: in
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", default=str(ROOT / "runs" / "bench-smollm2-rl"))
+    ap.add_argument("--config-name", default="smollm2_arithmetic",
+                    help="the preset to run: smollm2_arithmetic, or smollm2_tools (the python tool)")
+    ap.add_argument("--run-dir", default=None, help="default: runs/bench-<config name>")
     ap.add_argument("--reuse", action="store_true", help="do not run; only read --run-dir")
     args, overrides = ap.parse_known_args(argv)
+    name = args.config_name
+    args.run_dir = args.run_dir or str(ROOT / "runs" / ("bench-smollm2-rl" if name == "smollm2_arithmetic"
+                                                        else f"bench-{name}"))
+    out_file = RESULTS / ("smollm2_rl.json" if name == "smollm2_arithmetic" else f"smollm2_rl_{name}.json")
 
     wall = None
     if not args.reuse:
         if os.path.exists(os.path.join(args.run_dir, "metrics.jsonl")):
             sys.exit(f"{args.run_dir} already has a run; pass another --run-dir, or --reuse to only read it")
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
-        cmd = [sys.executable, "launch.py", "--config-name", "smollm2_arithmetic", f"run.run_dir={args.run_dir}",
+        cmd = [sys.executable, "launch.py", "--config-name", name, f"run.run_dir={args.run_dir}",
                "logging.ray_metrics=false", *overrides]
         print("running:", " ".join(cmd), file=sys.stderr, flush=True)
         t0 = time.perf_counter()
@@ -97,7 +104,7 @@ def main(argv: list[str]) -> int:
 
     if args.reuse:  # keep the wall time measured when this run dir was produced
         try:
-            with open(RESULTS / "smollm2_rl.json") as f:
+            with open(out_file) as f:
                 prev = json.load(f)
             wall = prev.get("wall_s") if prev.get("run_dir") == args.run_dir else None
         except (OSError, ValueError):
@@ -118,7 +125,7 @@ def main(argv: list[str]) -> int:
     train_times = [r["train/step_time_s"] for r in rows[1:]]
     decode = [r["inference/decode_tokens_per_s"] for r in rows if "inference/decode_tokens_per_s" in r]
     result = {
-        "config": "smollm2_arithmetic", "overrides": overrides, "run_dir": args.run_dir, "rl_steps": max(steps),
+        "config": name, "overrides": overrides, "run_dir": args.run_dir, "rl_steps": max(steps),
         "eval_before": before, "eval_after": after, "reward_gain": after["reward_mean"] - before["reward_mean"],
         "reward_gain_95ci": [lo, hi], "reasons_before": reasons_before, "reasons_after": reasons_after,
         "correct_among_answered": answered,
@@ -127,9 +134,13 @@ def main(argv: list[str]) -> int:
         "train_step_time_s_median": sorted(train_times)[len(train_times) // 2] if train_times else None,
         "decode_tokens_per_s_median": sorted(decode)[len(decode) // 2] if decode else None,
         "wall_s": wall, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        # Tool use (the tools environment): per step, the share of episodes that called a tool, and the calls.
+        "tool_episode_share_by_step": [round(r.get("tools/episode_share_mean", r.get("tools/episode_share", 0.0)), 3)
+                                       for r in rows],  # (the name before 2026-12-05: tools/episode_share)
+        "tool_errors_by_step": [int(r.get("tools/errors", 0)) for r in rows],
     }
 
-    print(f"\nSmolLM2-135M-Instruct, RL on reasoning-gym basic_arithmetic ({max(steps)} steps)\n")
+    print(f"\nSmolLM2-135M-Instruct, RL with the {name} preset ({max(steps)} steps)\n")
     print(f"{'':28s}{'step-0 eval (baseline)':>24s}{'after RL':>12s}")
     print(f"{'eval at step':28s}{before['at_step']:>24d}{after['at_step']:>12d}")
     for k in ("reward_mean", *sorted(k for k in before if k.startswith("pass@"))):
@@ -140,13 +151,16 @@ def main(argv: list[str]) -> int:
     print(f"{'correct among answered':28s}{answered['before']:>24.3f}{answered['after']:>12.3f}")
     print(f"{'gain (95% interval)':28s}{'':>24s}{result['reward_gain']:>+12.3f}  [{lo:+.3f}, {hi:+.3f}]")
     print(f"\nrollout reward by step: {result['rollout_reward_by_step']}")
+    if any(result["tool_episode_share_by_step"]):
+        print(f"share of episodes calling a tool by step: {result['tool_episode_share_by_step']}")
+        print(f"tool errors by step: {result['tool_errors_by_step']}")
     print(f"median step {result['step_time_s_median']:.1f} s (train {result['train_step_time_s_median']:.1f} s), "
           f"decode {result['decode_tokens_per_s_median']:.0f} tok/s"
           + (f", whole run {wall:.0f} s" if wall else ""))
     RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "smollm2_rl.json", "w") as f:
+    with open(out_file, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {RESULTS / 'smollm2_rl.json'}")
+    print(f"wrote {out_file}")
     return 0 if result["reward_gain"] > 0 else 1
 
 

@@ -62,8 +62,10 @@ def test_qwen3_calls_parse_from_the_template(qwen3):
     assert fmt.parse(two, TOOLS) == [ToolCall("python", {"code": "print(123 * 456)"}),
                                      ToolCall("get_weather", {"city": "Paris", "days": 2})]
     assert fmt.parse("The answer is 56088.", TOOLS) == []
-    # A call written inside the thinking block is not made.
+    # A call written inside the thinking block is not made: closed, or cut at its </tool_call> by the engine.
     assert fmt.parse("<think><tool_call>\n" + json.dumps(call) + "\n</tool_call></think>56088", TOOLS) == []
+    assert fmt.parse("<think>Let me compute.\n<tool_call>\n" + json.dumps(call) + "\n</tool_call>", TOOLS) == []
+    assert fmt.parse("<think>ok</think>\n<tool_call>\n" + json.dumps(call) + "\n</tool_call>", TOOLS) != []
 
 
 def test_qwen3_tools_and_results_go_through_the_template(qwen3):
@@ -205,13 +207,18 @@ def test_tool_metrics_count_calls_errors_latency_and_episodes():
     ok = {"name": "python", "error": None, "latency_s": 0.1}
     late = {"name": "python", "error": "timeout", "latency_s": 0.5}
     bad = {"name": None, "error": "malformed_json", "latency_s": 0.0}
-    m = tool_metrics([comp([ok], [late, bad]), comp(), comp([ok])])
-    assert m["tools/calls"] == 4 and m["tools/calls_per_episode"] == 4 / 3
-    assert m["tools/episode_share"] == pytest.approx(2 / 3)
-    assert m["tools/latency_s_mean"] == pytest.approx(0.7 / 4)
-    assert m["tools/errors"] == 2 and m["tools/error_timeout"] == 1 and m["tools/error_malformed_json"] == 1
-    assert tool_metrics([comp(), comp()]) == {}  # no tools: no tool metrics
-    assert "tools/calls" in episode_metrics([comp([ok])])
+    odd = {"name": "python", "error": "weird", "latency_s": 0.0}
+    m = tool_metrics([comp([ok], [late, bad]), comp(), comp([ok, odd])])
+    assert m["tools/calls"] == 5 and m["tools/calls_per_episode_mean"] == 5 / 3
+    assert m["tools/episode_share_mean"] == pytest.approx(2 / 3)
+    assert m["tools/latency_s_mean"] == pytest.approx(0.7 / 5)
+    assert m["tools/errors"] == 3 and m["tools/error_timeout"] == 1 and m["tools/error_malformed_json"] == 1
+    assert m["tools/error_other"] == 1
+    # The same keys whatever happened (trainer hosts combine metrics by position), zeros when nothing did.
+    none = tool_metrics([comp(), comp()])
+    assert sorted(none) == sorted(m) and not any(none.values())
+    assert "tools/calls" in episode_metrics([comp([ok])], tools=True)
+    assert "tools/calls" not in episode_metrics([comp([ok])])  # a run without tools has no tool metrics
 
 
 def test_a_source_names_its_environment_and_an_unknown_one_fails_at_start(qwen3):
@@ -227,9 +234,30 @@ def test_a_source_names_its_environment_and_an_unknown_one_fails_at_start(qwen3)
     sample = next(iter(task.samples("train", 0)))
     ids, opened = envs.open(sample, 2)
     assert "<tools>" in qwen3.decode(ids, skip_special_tokens=False) and len(opened) == 2
-    assert envs.stop_sequences() == sorted({tuple(qwen3.encode("</tool_call>")), tuple(qwen3.encode("<|eom_id|>"))})
+    assert envs.stop_sequences() == [tuple(qwen3.encode("</tool_call>"))]  # the run's format's, not every format's
     task = build_task(TaskConfig(sources=[TaskSourceConfig(**src, environment="tool")], eval_size=4))
     with pytest.raises(ValueError, match=r"\['tool'\].*registered"):
         Environments(task, qwen3, None, chat=True, step_timeout_s=5)
     with pytest.raises(ConfigError, match=r"task.sources\[0\].environment"):
         TaskConfig(sources=[TaskSourceConfig(**src, environment="")])
+
+
+def test_llama31_episode_reads_the_call_from_the_sampled_ids(llama):
+    """The engine's `Turn.text` drops special tokens (<|python_tag|> is one): the call is parsed from the ids."""
+    box = Toolbox(ToolsConfig(wall_s=3.0, workers=1), llama, chat=True)
+    try:
+        ids = llama.encode("<|python_tag|>print(6*7)") + llama.encode("<|eom_id|>")
+        text = llama.decode(ids)  # what the engine gives the environment as text
+        assert "<|python_tag|>" not in text
+        env = ToolEnv([], SimpleNamespace(prompt="6*7?", answer="42", id="t/1"), _Verifier(), 30, llama, box)
+        env.reset()
+        res = env.step(Turn(np.asarray(ids, np.int32), text, 0, "stop", False))
+        assert not res.done and res.info["tools"][0]["error"] is None, res
+        assert "42" in llama.decode(res.observation)
+    finally:
+        box.close()
+
+
+def test_a_format_that_contradicts_the_template_fails_at_start(qwen3):
+    with pytest.raises(ValueError, match="tools.format='llama3.1'"):
+        Toolbox(ToolsConfig(format="llama3.1"), qwen3, chat=True)

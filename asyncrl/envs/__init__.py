@@ -7,6 +7,7 @@ the configured tools until the model answers), or another multi-turn one.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 from asyncrl.envs.lookup import LookupEnv
@@ -46,6 +47,7 @@ class Environments:
         self.step_timeout_s = step_timeout_s
         self.tools_cfg = tools or ToolsConfig()
         self._toolbox: Toolbox | None = None
+        self._toolbox_lock = threading.Lock()  # `open` runs on every replica's thread
         unknown = sorted(set(task.environments()) - set(_REGISTRY))
         if unknown:  # fail at start-up, not at the first prompt of that source
             raise ValueError(f"environment(s) {unknown} (task.sources[i].environment, or the task's own) are not "
@@ -54,9 +56,10 @@ class Environments:
     @property
     def toolbox(self) -> Toolbox:
         """Built on first use, only for runs whose tasks use tools (its sandbox pool starts on the first call)."""
-        if self._toolbox is None:
-            self._toolbox = Toolbox(self.tools_cfg, self.tokenizer, self.chat)
-        return self._toolbox
+        with self._toolbox_lock:
+            if self._toolbox is None:
+                self._toolbox = Toolbox(self.tools_cfg, self.tokenizer, self.chat)
+            return self._toolbox
 
     def close(self) -> None:
         if self._toolbox is not None:
@@ -68,7 +71,10 @@ class Environments:
         one, so they are the union over the run."""
         seqs = set()
         for name in sorted(self.task.environments()):
-            for q in getattr(_REGISTRY.get(name), "stop", ()):
+            factory = _REGISTRY.get(name)
+            tools = getattr(factory, "needs_toolbox", False)
+            stops = self.toolbox.format.stop if tools else getattr(factory, "stop", ())
+            for q in stops:
                 ids = self.tokenizer.encode(q) if isinstance(q, str) else [int(t) for t in q]
                 if ids:
                     seqs.add(tuple(ids))

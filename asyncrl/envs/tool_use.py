@@ -22,8 +22,8 @@ from typing import Any, Sequence
 
 from asyncrl.envs.chat import ObservationRenderer
 from asyncrl.rollout import StepResult, Turn
-from asyncrl.tools.calls import (PYTHON_TOOL, CallError, Qwen3Format, Llama31Format, ToolCall, format_for,
-                                 template_has_tools, tools_instruction)
+from asyncrl.tools.calls import (PYTHON_TOOL, CallError, Llama31Format, ToolCall, format_for, template_has_tools,
+                                 tools_instruction)
 from asyncrl.tools.config import ToolsConfig
 
 SPECS = {"python": PYTHON_TOOL}
@@ -42,8 +42,24 @@ class Toolbox:
         self.format = format_for(cfg.format, template)
         # A template that renders `tools=` itself gets them there; any other prompt carries the Qwen3 preamble.
         self.native = self.chat and template_has_tools(template)
+        if self.native and self.format.name != format_for("auto", template).name:
+            raise ValueError(f"tools.format={cfg.format!r} contradicts the chat template, which writes "
+                             f"{format_for('auto', template).name} calls: use tools.format=auto")
         self.kw = self.format.template_kwargs(self.tools) if self.native else {}
-        self.renderer = ObservationRenderer(tokenizer, self.format.turn_end, **self.kw) if self.chat else None
+        # The turn end is the format's where the template writes that format; elsewhere the template's own (EOS).
+        turn_end = self.format.turn_end if self.native else None
+        self.renderer = ObservationRenderer(tokenizer, turn_end, **self.kw) if self.chat else None
+        if self.renderer is not None:  # a template observations cannot be cut from fails here, not at every call
+            self.renderer.text(self.format.result_messages(ToolCall(self.tools[0].name, {}), "probe"))
+        if cfg.require_kernel_sandbox:
+            from asyncrl.tools.sandbox import PythonSandbox
+
+            layers = PythonSandbox.layers()
+            missing = [k for k in ("landlock", "seccomp") if not layers.get(k)]
+            if missing:
+                raise RuntimeError(f"the tool sandbox needs {' and '.join(missing)} (Linux >= 5.13 with Landlock "
+                                   "enabled), missing here; tools.require_kernel_sandbox=false runs calls behind "
+                                   "Python audit hooks instead, which are not a security boundary")
         self._sandbox = None
         self._lock = threading.Lock()
 
@@ -75,7 +91,8 @@ class Toolbox:
             return self._sandbox
 
     def run(self, calls: Sequence[ToolCall | CallError]) -> list[tuple[str, str | None, float]]:
-        """Each call's (result text, error kind or None, latency): the calls of one turn run at once in the pool."""
+        """Each call's (result text, error kind or None, latency), the calls of one turn at once in the pool. (A turn
+        the engine stopped at its first call's end holds one call; the cap matters where a format has no stop.)"""
         futures = []
         for i, call in enumerate(calls):
             if i >= self.cfg.max_calls_per_turn:
@@ -108,8 +125,8 @@ class Toolbox:
 
 
 class ToolEnv:
-    # Both families' call-ending texts: the engine compiles in the union over the run's environments.
-    stop: tuple[str, ...] = Qwen3Format.stop + Llama31Format.stop
+    # The call-ending texts are the run's format's: `Environments.stop_sequences` asks the toolbox.
+    stop: tuple[str, ...] = ()
     needs_toolbox = True
 
     def __init__(self, prompt_ids: Sequence[int], sample: Any, verifier: Any, timeout_s: float, tokenizer: Any,
@@ -121,7 +138,8 @@ class ToolEnv:
 
     def step(self, turn: Turn) -> StepResult:
         box = self.toolbox
-        calls = box.format.parse(turn.text, box.tools)
+        # Parsed from the ids with their special tokens (Llama's <|python_tag|> is one; `turn.text` drops it).
+        calls = box.format.parse(box.tokenizer.decode(turn.tokens, skip_special_tokens=False), box.tools)
         if not calls:  # the answer
             score = self.verifier.submit(turn.text, self.sample).result(timeout=self.timeout_s)
             return StepResult(None, float(score.reward), True, score.reason)
@@ -144,6 +162,8 @@ class ToolWarmstart:
     question's), read its true result for those, and answer; half answer at once. Every answer is drawn at random
     from the task's answers. What RL must find is the rule: call with the question's own operands, then copy the
     result."""
+
+    LAYOUT = 2  # in the warm-start's cache key: bumped whenever these examples change
 
     def __init__(self, task: Any, toolbox: Toolbox) -> None:
         self.task, self.toolbox = task, toolbox
@@ -177,7 +197,7 @@ class ToolWarmstart:
                 else:
                     call_text = "<tool_call>\n" + json.dumps({"name": "python", "arguments": args}) + "\n</tool_call>"
                 call = tokenizer.encode(call_text)
-                obs = box.observation(call, [ToolCall("python", args)], [str(a * b)])
+                obs = box.observation(call, [ToolCall("python", args)], [f"{a * b}\n"])  # as print() writes it
                 ids, mask = ids + call + obs, mask + [1] * len(call) + [0] * len(obs)
             out.append((ids + answer, mask + [1] * len(answer)))
         return out

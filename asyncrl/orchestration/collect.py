@@ -46,10 +46,10 @@ def is_zero_variance(rollout: Rollout) -> bool:
     return bool(r.max() == r.min())
 
 
-def episode_metrics(completions: list[Any]) -> HostMetrics:
+def episode_metrics(completions: list[Any], tools: bool = False) -> HostMetrics:
     """Per step, what the episodes looked like: model turns per episode, the share of episodes that took more than
     one, the share of completion tokens the environment appended (observations), episodes ended by each limit,
-    and the seconds spent in environment steps per episode."""
+    and the seconds spent in environment steps per episode; with `tools`, the tool metrics too."""
     tokens = sum(len(c.tokens) for c in completions)
     out = {
         "rollout/turns_mean": float(np.mean([c.n_turns for c in completions])),
@@ -61,24 +61,31 @@ def episode_metrics(completions: list[Any]) -> HostMetrics:
     }
     for reason in ("max_turns", "context", "obs_cap", "env_error"):
         out[f"rollout/ended_{reason}"] = float(sum(c.end_reason == reason for c in completions))
-    return {**out, **tool_metrics(completions)}
+    return {**out, **tool_metrics(completions)} if tools else out
+
+
+# Every kind a tool call's error may have (`tools/calls.py`, `tools/sandbox.py`, `envs/tool_use.py`): the metrics
+# have a fixed key set, because trainer hosts combine them by position (`Trainer._combine_host_metrics`).
+TOOL_ERROR_KINDS = ("malformed_json", "unknown_tool", "missing_arguments", "bad_arguments", "too_many_calls",
+                    "no_turn_left", "timeout", "cpu_limit", "memory", "output_limit", "exception", "forbidden",
+                    "sandbox")
 
 
 def tool_metrics(completions: list[Any]) -> HostMetrics:
     """Tool calls (the 'tools' environment's `info["tools"]`): calls per step and per episode, the share of
-    episodes that made one, the mean call latency, and errors by kind. Nothing when no episode had tools."""
+    episodes that made one, the mean call latency, and errors by kind (any other kind counts as 'other')."""
     calls = [[t for info in c.env_info for t in info.get("tools", ())] for c in completions]
     flat = [t for ep in calls for t in ep]
-    if not flat:
-        return {}
-    out = {"tools/calls": float(len(flat)), "tools/calls_per_episode": len(flat) / len(completions),
-           "tools/episode_share": float(np.mean([bool(ep) for ep in calls])),
-           "tools/latency_s_mean": float(np.mean([t.get("latency_s", 0.0) for t in flat])),
+    out = {"tools/calls": float(len(flat)), "tools/calls_per_episode_mean": len(flat) / max(len(completions), 1),
+           "tools/episode_share_mean": float(np.mean([bool(ep) for ep in calls])) if calls else 0.0,
+           "tools/latency_s_mean": float(np.mean([t.get("latency_s", 0.0) for t in flat])) if flat else 0.0,
            "tools/errors": float(sum(t.get("error") is not None for t in flat))}
+    for kind in (*TOOL_ERROR_KINDS, "other"):
+        out[f"tools/error_{kind}"] = 0.0
     for t in flat:
         if t.get("error") is not None:
-            key = f"tools/error_{t['error']}"
-            out[key] = out.get(key, 0.0) + 1.0
+            kind = t["error"] if t["error"] in TOOL_ERROR_KINDS else "other"
+            out[f"tools/error_{kind}"] += 1.0
     return out
 
 
@@ -98,6 +105,7 @@ def collect_rollouts(
     urgent: Callable[[int], set[int]] | None = None,
     zero_variance_budget: int | None = None,
     straggler: StragglerWait | float = float("inf"),
+    tools: bool = False,
 ) -> tuple[list[Rollout], HostMetrics]:
     """Block until `n_groups` groups pass the filters; returns them (oldest first when pooling) and the metrics.
 
@@ -212,6 +220,6 @@ def collect_rollouts(
         "rollout/straggler_wait_s": float(wait_s) if wait_s != float("inf") else -1.0,
         "rollout/straggler_gave_up": float(gave_up[0]),
         "rollout/zero_variance_fillers": float(sum(drop_zero_variance and is_zero_variance(r) for r in kept)),
-        **episode_metrics([c for r in kept for c in r.completions]),
+        **episode_metrics([c for r in kept for c in r.completions], tools),
     }
     return kept, metrics

@@ -84,7 +84,7 @@ def warmstart(cfg: Any, trainer: Any, model: Any, run_dir: str) -> None:
         from asyncrl.envs.tool_use import Toolbox, ToolWarmstart
 
         task = ToolWarmstart(task, Toolbox(cfg.tools, tokenizer, cfg.task.prompt_template == "chat"))
-        key = (cfg.task, cfg.tools)
+        key = (cfg.task, cfg.tools, ToolWarmstart.LAYOUT)
     params = cached_format_warmstart(
         model, trainer.params_for_inference(jnp.float32), tokenizer,
         task, key, cfg.train.format_warmstart_steps, cache_dir(), cfg.run.seed,

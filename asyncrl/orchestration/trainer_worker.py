@@ -48,6 +48,8 @@ class TrainerWorker:
         self.staleness = Staleness(cfg.async_.max_lag)
         a = cfg.async_
         self.straggler = StragglerWait(a.straggler_wait_s, a.straggler_wait_max_s, a.straggler_wait_adaptive)
+        # Tool metrics have a fixed key set on every host of a run whose tasks use tools (combined by position).
+        self.tool_metrics = any(src.environment == "tools" for src in cfg.task.sources)
         self.stop = threading.Event()
         self.feeder: Feeder | None = None
         self.evals: Evals | None = None
@@ -170,7 +172,7 @@ class TrainerWorker:
                     cfg.loss.filter_zero_variance, cfg.async_.queue_timeout_s, who=f"trainer{self.rank}",
                     on_consumed=self._on_consumed(step, drops), check=self._check, pool=pool, urgent=urgent,
                     zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),
-                    straggler=self.straggler,
+                    straggler=self.straggler, tools=self.tool_metrics,
                 )
                 rollouts.sort(key=lambda r: r.prompt.position)  # by data position: same batch order whatever arrived first
                 batch = build_batch(rollouts, cfg.loss, cfg.train.pad_to_multiple)

@@ -131,7 +131,9 @@ class Qwen3Format(ToolCallFormat):
     _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 
     def parse(self, text: str, tools: Sequence[ToolSpec]) -> list[ToolCall | CallError]:
-        text = re.sub(r"<think>.*?</think>", "", text, flags=re.S)  # a call written while thinking is not made
+        # A call written while thinking is not made: the engine stops at its </tool_call> all the same, so the block
+        # is then unclosed, and everything after an unclosed <think> is thinking too.
+        text = re.sub(r"<think>.*?(</think>|$)", "", text, flags=re.S)
         out: list[ToolCall | CallError] = []
         for m in self._CALL.finditer(text):
             if not m.group(2):
