@@ -84,7 +84,8 @@ def test_qwen3_tools_and_results_go_through_the_template(qwen3):
                {"role": "assistant", "content": "", "tool_calls": [
                    {"type": "function", "function": {"name": "python", "arguments": {"code": "print(6*7)"}}}]},
                {"role": "tool", "content": "42"}]
-    want = qwen3.hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True, tools=[PYTHON_TOOL.schema()])
+    want = qwen3.hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True,
+                                        tools=[PYTHON_TOOL.schema()])
     got = qwen3.decode(box.prompt_ids("What is 123 * 456?") + list(turn) + obs, skip_special_tokens=False)
     assert got == want
 
@@ -162,7 +163,8 @@ def _turn(tok, text, index=0, last=False):
 def test_an_episode_calls_the_sandbox_reads_errors_and_answers(qwen3):
     box = Toolbox(ToolsConfig(wall_s=3.0, workers=2), qwen3, chat=True)
     try:
-        env = ToolEnv([], SimpleNamespace(prompt="What is 123 * 456?", answer="56088", id="t/0"), _Verifier(), 30,
+        env = ToolEnv(box.prompt_ids("What is 123 * 456?"),
+                      SimpleNamespace(prompt="What is 123 * 456?", answer="56088", id="t/0"), _Verifier(), 30,
                       qwen3, box)
         assert env.reset() == box.prompt_ids("What is 123 * 456?")
         call = lambda code: '<tool_call>\n' + json.dumps({"name": "python", "arguments": {"code": code}}) + \
@@ -249,7 +251,8 @@ def test_llama31_episode_reads_the_call_from_the_sampled_ids(llama):
         ids = llama.encode("<|python_tag|>print(6*7)") + llama.encode("<|eom_id|>")
         text = llama.decode(ids)  # what the engine gives the environment as text
         assert "<|python_tag|>" not in text
-        env = ToolEnv([], SimpleNamespace(prompt="6*7?", answer="42", id="t/1"), _Verifier(), 30, llama, box)
+        env = ToolEnv(box.prompt_ids("6*7?"), SimpleNamespace(prompt="6*7?", answer="42", id="t/1"), _Verifier(), 30,
+                      llama, box)
         env.reset()
         res = env.step(Turn(np.asarray(ids, np.int32), text, 0, "stop", False))
         assert not res.done and res.info["tools"][0]["error"] is None, res

@@ -84,9 +84,12 @@ class Environments:
         name = self.task.environment_for(sample)
         if name not in _REGISTRY:
             raise ValueError(f"task sample {sample.id} names environment {name!r}; registered: {sorted(_REGISTRY)}")
-        ids = self.tokenizer.encode_prompt(sample.prompt, chat=self.chat)
         factory = _REGISTRY[name]
-        extra = {"toolbox": self.toolbox} if getattr(factory, "needs_toolbox", False) else {}
+        if getattr(factory, "needs_toolbox", False):  # the prompt offers the tools: rendered once per group
+            extra = {"toolbox": self.toolbox}
+            ids = self.toolbox.prompt_ids(sample.prompt)
+        else:
+            extra, ids = {}, self.tokenizer.encode_prompt(sample.prompt, chat=self.chat)
         envs = [factory(ids, sample, self.verifier, self.step_timeout_s, self.tokenizer, **extra) for _ in range(n)]
         opened = [env.reset() for env in envs]
         if any(list(o) != list(opened[0]) for o in opened[1:]):

@@ -131,10 +131,12 @@ class ToolEnv:
 
     def __init__(self, prompt_ids: Sequence[int], sample: Any, verifier: Any, timeout_s: float, tokenizer: Any,
                  toolbox: Toolbox) -> None:
-        self.sample, self.verifier, self.timeout_s, self.toolbox = sample, verifier, timeout_s, toolbox
+        """`prompt_ids`: the question with the tools offered (`Toolbox.prompt_ids`, as `Environments.open` gives)."""
+        self.prompt_ids, self.sample, self.verifier = list(prompt_ids), sample, verifier
+        self.timeout_s, self.toolbox = timeout_s, toolbox
 
     def reset(self) -> list[int]:
-        return self.toolbox.prompt_ids(self.sample.prompt)
+        return list(self.prompt_ids)
 
     def step(self, turn: Turn) -> StepResult:
         box = self.toolbox
