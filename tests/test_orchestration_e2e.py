@@ -73,10 +73,12 @@ def test_end_to_end_three_hosts(tmp_path):
 def test_two_trainer_hosts_with_the_sync_behind_the_step(tmp_path):
     """4 hosts, train_workers=2: the trainer slot spans two processes, whose train steps run gloo collectives while
     the previous weights travel on each one's background sync thread (weightsync.overlap). Evals must see the
-    weights of their step, and a checkpoint lands mid-run."""
+    weights of their step, and a checkpoint lands mid-run. The format warm-start runs cold (an empty cache), so
+    both trainer hosts gather their sharded params for it (CI: a plain device_get of them failed)."""
     run_dir = str(tmp_path / "run")
     res = launch(run_dir, *TINY, "run.hosts=4", "async.train_workers=2", "train.total_steps=8", "eval.every_n_steps=3",
-                 "checkpoint.every_n_steps=4")
+                 "checkpoint.every_n_steps=4", "train.format_warmstart_steps=20",
+                 env_extra={"ASYNCRL_CACHE": str(tmp_path / "cache")})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     r = rows(run_dir)
     assert [x["step"] for x in r] == list(range(1, 9)) and [x["weight_version"] for x in r] == list(range(1, 9))
@@ -84,6 +86,7 @@ def test_two_trainer_hosts_with_the_sync_behind_the_step(tmp_path):
     with open(os.path.join(run_dir, "evals.jsonl")) as f:
         assert [json.loads(x)["round"] for x in f] == [0, 3, 6, 8]  # every round, each after its step's sync
     assert sorted(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.isdigit())[-1] == 8
+    assert [d for d in os.listdir(tmp_path / "cache") if d.startswith("warmstart-")], "the warm-start was not cached"
 
 
 def test_bad_override_fails_fast(tmp_path):

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from asyncrl.sharding.host import to_host
+
 log = logging.getLogger(__name__)
 
 
@@ -59,7 +61,9 @@ def format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, steps: 
         mask[i, : len(ids)] = m  # targets: the model's tokens (answers, EOS), never prompts or observations
         lens[i] = len(ids)
     tx = optax.adam(lr)
-    params = jax.device_get(params)
+    # Whole on this host: with several trainer hosts the params span devices of other processes, which a plain
+    # device_get cannot read. Every trainer host calls this (same seed, same data), so the gather is collective.
+    params = jax.tree.map(to_host, params)
     opt = tx.init(params)
 
     @jax.jit
