@@ -16,6 +16,7 @@ would only cost them fusions.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from asyncrl.models.lora import LoraWeight, delta as lora_delta
 from asyncrl.models.params import unstack_layers
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -58,7 +60,11 @@ def dense(x: jax.Array, w: OutputMajor, **kw: Any) -> jax.Array:
 
 
 def einsum(eq: str, x: jax.Array, w: Any, **kw: Any) -> jax.Array:
-    """`jnp.einsum(eq, x, w)` for a weight in either layout (`eq` names the usual [*in, *out] one)."""
+    """`jnp.einsum(eq, x, w)` for a weight in any form (`eq` names the usual [*in, *out] layout): plain,
+    output-major, or a LoRA-adapted weight (the base product plus the adapters' `lora.delta`)."""
+    if isinstance(w, LoraWeight):
+        y = einsum(eq, x, w.w, **kw)
+        return y + lora_delta(x, w, y)
     return dense(x, w, **kw) if isinstance(w, OutputMajor) else jnp.einsum(eq, x, w, **kw)
 
 
@@ -67,8 +73,15 @@ _N_IN = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1
 
 
 def cpu_decode_layer(layer: Any) -> Any:
-    """A per-layer LayerParams with every matrix output-major (norm scales unchanged)."""
-    return type(layer)(**{f: output_major(getattr(layer, f), _N_IN[f]) if f in _N_IN else getattr(layer, f)
+    """A per-layer LayerParams with every matrix output-major (norm scales unchanged; a LoRA-adapted weight's
+    base is transposed, its small adapters are not)."""
+
+    def one(w: Any, n_in: int) -> Any:
+        if isinstance(w, LoraWeight):
+            return dataclasses.replace(w, w=output_major(w.w, n_in))
+        return output_major(w, n_in)
+
+    return type(layer)(**{f: one(getattr(layer, f), _N_IN[f]) if f in _N_IN else getattr(layer, f)
                           for f in layer.__dataclass_fields__})
 
 
@@ -83,4 +96,7 @@ def cpu_decode_layout(params: Any) -> Any:
 
 def is_output_major(params: Any) -> bool:
     """Whether `params` is the engine's CPU decode layout (per-layer, output-major matrices)."""
-    return isinstance(params.layers, tuple) and isinstance(params.layers[0].wq, OutputMajor)
+    if not isinstance(params.layers, tuple):
+        return False
+    wq = params.layers[0].wq
+    return isinstance(wq.w if isinstance(wq, LoraWeight) else wq, OutputMajor)

@@ -30,6 +30,7 @@ from asyncrl.models.config import ModelConfig
 from asyncrl.models.flash import block_size, flash_attention_train
 from asyncrl.models.attention import attention, cached_attention
 from asyncrl.models.kvcache import KVCache, write_new, write_prefix
+from asyncrl.models.lora import LoraWeight, delta as lora_delta
 from asyncrl.models.params import LayerParams, Params
 from asyncrl.models.rope import apply_rope, rope_tables
 from asyncrl.sharding.axes import TOKEN_AXES
@@ -138,6 +139,9 @@ class Model:
         """[B, T, D] x [D, N, Dh] -> [B, T, N, Dh] as one [D, N*Dh] matmul. Given the 4-D einsum, TPU relayouts
         the whole stacked [L, D, N, Dh] weight to head-major on every decode call (3 GB per call for an 8B
         model); the merged 2-D weight is already in the layout its matmul reads."""
+        if isinstance(w, LoraWeight):
+            y = self._project_heads(a, w.w)
+            return y + lora_delta(a, w, y)
         if isinstance(w, dense_lib.OutputMajor):  # the engine's CPU layout
             return dense_lib.dense(a, w)
         B, T, _ = a.shape
@@ -151,6 +155,9 @@ class Model:
         return y.reshape(B, T, N, Dh, out_sharding=P(a_spec[0], a_spec[1], w_spec[1], None))
 
     def _contract(self, eq: str, x: jax.Array, w: jax.Array, seq: tuple[str, ...] = (), **kw: Any) -> jax.Array:
+        if isinstance(w, LoraWeight):
+            y = self._contract(eq, x, w.w, seq, **kw)
+            return y + lora_delta(x, w, y)
         if isinstance(w, dense_lib.OutputMajor):
             return dense_lib.dense(x, w, **kw)
         mesh = _explicit_mesh()

@@ -36,6 +36,7 @@ LOGICAL_AXES = (
     "batch",  # sequences
     "seq",  # positions
     "cache_seq",  # KV-cache positions
+    "lora_rank",  # a LoRA adapter's rank r (models/lora.py): small, never split
 )
 
 
@@ -57,6 +58,7 @@ class ShardingRules:
     batch: MeshAxes = None
     seq: MeshAxes = None
     cache_seq: MeshAxes = None
+    lora_rank: MeshAxes = None
     min_bytes: int = 0
     """Leaves smaller than this are replicated: sharding a tiny norm scale only adds collective latency."""
 

@@ -1,0 +1,222 @@
+"""LoRA: low-rank adapters on the decoder's projections, as one more weight form the model's matmuls read.
+
+A targeted projection W [*in, *out] (wq [D, H, Dh], wo [H, Dh, D], w_down [F, D], ...) gets A [*in, r] and
+B [r, *out]; the layer computes y = x W + scale (x A) B with scale = alpha / r (PEFT's convention, so the export
+loads into `peft` unchanged). `attach` wraps each targeted weight as a `LoraWeight` leaf-group that the model's
+matmul helpers dispatch on (`dense.einsum`, `Model._project_heads`, `Model._contract`): the adapters are applied
+unmerged, so the backward pass never forms a [*in, *out] gradient, and the base W stays a frozen input of the
+step. `merge` folds them in (W + scale A B), once per weight sync, for the inference engine.
+
+Adapters are a plain dict pytree, stacked over layers like the params: {"wq": {"a": [L, D, r], "b": [L, r, H, Dh]},
+...}. Their logical axes are the base weight's on each side of "lora_rank" (never split: r is small), so one
+sharding table covers them: under FSDP A's D is split like W's, under tensor parallelism B's heads are.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from asyncrl.models import params as params_lib
+from asyncrl.models.config import ModelConfig
+from asyncrl.models.params import ParamSpec, Params
+from asyncrl.sharding.rules import ShardingRules, tree_shardings
+
+# Config names (PEFT's module names less "_proj") -> LayerParams fields, in the layer's order.
+TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
+# Contracted (input) dims of each base weight, after its leading [L]: wo [H, Dh, D] contracts (H, Dh).
+N_IN = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# The torch module each field is in a Hugging Face Llama/Qwen3 model (PEFT's keys follow them).
+HF_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+              "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+
+Adapters = dict[str, dict[str, Any]]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LoraWeight:
+    """A base weight with its adapter pair: computes x W + scale (x A) B. `w` may itself be any weight form the
+    matmul helpers read (a plain array, or the engine's `OutputMajor`)."""
+
+    w: Any
+    a: Any  # [*in, r]
+    b: Any  # [r, *out]
+    scale: float = field(metadata=dict(static=True))
+
+
+def fields(targets: tuple[str, ...] | list[str]) -> list[str]:
+    """Config target names -> LayerParams fields, in layer order; an unknown name raises naming it."""
+    bad = [t for t in targets if t not in TARGETS]
+    if bad:
+        raise ValueError(f"train.lora.targets: unknown {bad}; choose from {list(TARGETS)}")
+    return [f for t, f in TARGETS.items() if t in targets]
+
+
+def abstract(cfg: ModelConfig, rank: int, targets: tuple[str, ...] | list[str]) -> Adapters:
+    """The adapters' ParamSpecs: A takes W's input dims, B its output dims, each with W's logical axes."""
+    layers = params_lib.abstract(cfg).layers
+    out: Adapters = {}
+    for f in fields(targets):
+        s: ParamSpec = getattr(layers, f)
+        n = 1 + N_IN[f]  # the leading [L] and the input dims
+        fan_in = int(np.prod(s.shape[1:n]))
+        out[f] = {"a": ParamSpec((s.shape[0], *s.shape[1:n], rank), ("layers", *s.axes[1:n], "lora_rank"), "lora_a",
+                                 fan_in=fan_in),
+                  "b": ParamSpec((s.shape[0], rank, *s.shape[n:]), ("layers", "lora_rank", *s.axes[n:]), "zeros")}
+    return out
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def shapes(cfg: ModelConfig, rank: int, targets: Any, dtype: Any = jnp.float32) -> Adapters:
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), abstract(cfg, rank, targets), is_leaf=_is_spec)
+
+
+def shardings(cfg: ModelConfig, rank: int, targets: Any, mesh: Any, rules: ShardingRules,
+              dtype: Any = jnp.float32) -> Adapters:
+    axes = jax.tree.map(lambda s: s.axes, abstract(cfg, rank, targets), is_leaf=_is_spec)
+    return tree_shardings(rules, mesh, shapes(cfg, rank, targets, dtype), axes)
+
+
+def init(cfg: ModelConfig, rank: int, targets: Any, key: jax.Array, dtype: Any = jnp.float32) -> Adapters:
+    """A uniform in +-1/sqrt(fan_in) (PEFT's default, Kaiming-uniform with a = sqrt(5)), B zero: the adapted model
+    starts exactly at the base."""
+    specs = abstract(cfg, rank, targets)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(leaves))
+
+    def make(s: ParamSpec, k: jax.Array) -> jax.Array:
+        if s.init == "zeros":
+            return jnp.zeros(s.shape, dtype)
+        bound = 1.0 / math.sqrt(s.fan_in)
+        return jax.random.uniform(k, s.shape, jnp.float32, -bound, bound).astype(dtype)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
+
+
+def attach(params: Params, adapters: Adapters, scale: float) -> Params:
+    """`params` with each targeted layer weight wrapped as a LoraWeight (stacked or per-layer trees alike)."""
+
+    def wrap(layer: Any, ad: Adapters) -> Any:
+        return type(layer)(**{f: LoraWeight(getattr(layer, f), ad[f]["a"], ad[f]["b"], scale) if f in ad
+                              else getattr(layer, f) for f in layer.__dataclass_fields__})
+
+    if isinstance(params.layers, tuple):
+        per_layer = [jax.tree.map(lambda x, i=i: x[i], adapters) for i in range(len(params.layers))]
+        return params_lib.replace(params, layers=tuple(wrap(l, a) for l, a in zip(params.layers, per_layer)))
+    return params_lib.replace(params, layers=wrap(params.layers, adapters))
+
+
+def _pair_eq(a_ndim: int, b_ndim: int, lead: int) -> str:
+    """einsum for A [*lead, *in, r] x B [*lead, r, *out] -> [*lead, *in, *out]."""
+    letters = iter(string.ascii_letters)
+    ld = "".join(next(letters) for _ in range(lead))
+    i = "".join(next(letters) for _ in range(a_ndim - lead - 1))
+    r = next(letters)
+    o = "".join(next(letters) for _ in range(b_ndim - lead - 1))
+    return f"{ld}{i}{r},{ld}{r}{o}->{ld}{i}{o}"
+
+
+def delta_weight(a: jax.Array, b: jax.Array, scale: float, lead: int = 1) -> jax.Array:
+    """scale A B in fp32, shaped like the base weight ([L, *in, *out] for stacked adapters, lead=1)."""
+    eq = _pair_eq(a.ndim, b.ndim, lead)
+    return scale * jnp.einsum(eq, a.astype(jnp.float32), b.astype(jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST)
+
+
+def merge(params: Params, adapters: Adapters, scale: float) -> Params:
+    """W + scale A B for every targeted weight (in fp32, cast back to W's dtype); stacked params only."""
+    layers = params.layers
+    new = {f: (getattr(layers, f).astype(jnp.float32) + delta_weight(ad["a"], ad["b"], scale)).astype(
+        getattr(layers, f).dtype) for f, ad in adapters.items()}
+    return params_lib.replace(params, layers=type(layers)(**{f: new.get(f, getattr(layers, f))
+                                                              for f in layers.__dataclass_fields__}))
+
+
+def delta(x: jax.Array, w: LoraWeight, y: jax.Array) -> jax.Array:
+    """scale (x A) B for activations x [..., *in], typed and laid out like the base product y [..., *out]."""
+    n_in, n_lead = w.a.ndim - 1, x.ndim - (w.a.ndim - 1)
+    letters = string.ascii_letters
+    ld, i, o = letters[:n_lead], letters[n_lead:n_lead + n_in], letters[n_lead + n_in:n_lead + n_in + w.b.ndim - 1]
+    a, b = w.a.astype(x.dtype), w.b.astype(x.dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    kw1, kw2 = {}, {}
+    if not mesh.empty and mesh.explicit_axes:
+        # [..., r] keeps x's split of its rows (a split contracted dim is summed over); the result y's layout.
+        kw1["out_sharding"] = P(*jax.typeof(x).sharding.spec[:n_lead], None)
+        kw2["out_sharding"] = jax.typeof(y).sharding.spec
+    xa = jnp.einsum(f"{ld}{i},{i}Z->{ld}Z", x, a, **kw1)  # Z: the rank (the others are lower case)
+    return (jnp.einsum(f"{ld}Z,Z{o}->{ld}{o}", xa, b, **kw2) * jnp.asarray(w.scale, x.dtype)).astype(y.dtype)
+
+
+def count(cfg: ModelConfig, rank: int, targets: Any) -> int:
+    return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(abstract(cfg, rank, targets), is_leaf=_is_spec))
+
+
+# ---- PEFT's format ---------------------------------------------------------------------------------------------
+
+def peft_tensors(cfg: ModelConfig, adapters: Adapters) -> dict[str, np.ndarray]:
+    """PEFT's state dict: `base_model.model.model.layers.{i}.<module>.lora_A.weight` [r, in] (= A^T, the input dims
+    flattened) and `lora_B.weight` [out, r] (= B^T), fp32. Our heads dims flatten in HF's order ([H, Dh] -> H*Dh),
+    the same as the base weights' table in checkpoint.py."""
+    out: dict[str, np.ndarray] = {}
+    for f, ad in adapters.items():
+        a, b = np.asarray(ad["a"], np.float32), np.asarray(ad["b"], np.float32)
+        L, r = a.shape[0], a.shape[-1]
+        for i in range(L):
+            key = f"base_model.model.model.layers.{i}.{HF_MODULES[f]}"
+            out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
+            out[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+    return out
+
+
+def from_peft_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], rank: int, targets: Any) -> Adapters:
+    """The inverse of `peft_tensors` (a missing or misshapen tensor raises naming it)."""
+    specs = abstract(cfg, rank, targets)
+    out: Adapters = {}
+    for f, pair in specs.items():
+        a = np.zeros(pair["a"].shape, np.float32)
+        b = np.zeros(pair["b"].shape, np.float32)
+        for i in range(a.shape[0]):
+            key = f"base_model.model.model.layers.{i}.{HF_MODULES[f]}"
+            for name, dst, to_ours in (("lora_A", a, lambda t, s: t.T.reshape(s)),
+                                       ("lora_B", b, lambda t, s: t.T.reshape(s))):
+                full = f"{key}.{name}.weight"
+                if full not in tensors:
+                    raise KeyError(f"adapter tensor {full} is missing")
+                t = np.asarray(tensors[full], np.float32)
+                if t.size != int(np.prod(dst.shape[1:])):
+                    raise ValueError(f"adapter tensor {full}: shape {t.shape} does not fit {dst.shape[1:]}")
+                dst[i] = to_ours(t, dst.shape[1:])
+        out[f] = {"a": a, "b": b}
+    return out
+
+
+def save_peft(folder: str, cfg: ModelConfig, adapters: Adapters, rank: int, alpha: float,
+              base_model: str | None = None) -> None:
+    """The adapter alone in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`, which
+    `peft.PeftModel.from_pretrained(<the transformers base model>, folder)` loads."""
+    import json
+    import os
+
+    from asyncrl.models.safetensors_io import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file(peft_tensors(cfg, adapters), os.path.join(folder, "adapter_model.safetensors"), {"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": sorted({HF_MODULES[f].split(".")[1] for f in adapters}), "lora_dropout": 0.0,
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+              "base_model_name_or_path": base_model}
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
