@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import List
 
 from asyncrl.validate import check, check_choice
 
@@ -56,6 +57,37 @@ class ShardingConfig:
     def __post_init__(self) -> None:
         check("sharding.min_bytes_for_fsdp", self.min_bytes_for_fsdp, self.min_bytes_for_fsdp >= 0, ">= 0")
         check_choice("sharding.fsdp_axis", self.fsdp_axis, ("embed", "vocab", "mlp", "heads", "layers"))
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (models/lora.py): the base model frozen in the compute dtype with no optimizer state, only
+    the adapters trained (fp32, the run's optimizer), synced and checkpointed. rank 0 is the full fine-tune."""
+
+    rank: int = 0
+    """Adapter rank r; 0 trains every weight (no adapters)."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
+    targets: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Which projections get adapters: any of q, k, v, o, gate, up, down."""
+
+    def __post_init__(self) -> None:
+        check("train.lora.rank", self.rank, self.rank >= 0, ">= 0")
+        check("train.lora.alpha", self.alpha, self.alpha > 0, "> 0")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        check("train.lora.targets", list(self.targets), not bad and len(self.targets) > 0 and
+              len(set(self.targets)) == len(self.targets), f"a non-empty list of distinct names from {list(LORA_TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 @dataclass(frozen=True)
@@ -119,6 +151,8 @@ class TrainConfig:
     """Adam learning rate of the warm-start (3e-3 suits a random-init tiny model; ~1e-5 a pretrained one)."""
     format_warmstart_batch: int = 64
     """Sequences per warm-start step."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA: train low-rank adapters on a frozen base (rank 0, the default, is the full fine-tune)."""
 
     def __post_init__(self) -> None:
         check("train.total_steps", self.total_steps, self.total_steps >= 1, ">= 1")

@@ -7,7 +7,7 @@ Weight decay skips norm scales: decaying a gain towards 0 shrinks the residual s
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,14 +47,15 @@ def decay_mask(model_cfg: ModelConfig) -> Params:
                         is_leaf=lambda x: isinstance(x, params_lib.ParamSpec))
 
 
-def make_optimizer(cfg: TrainConfig, model_cfg: ModelConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm(max_grad_norm) -> AdamW(schedule, b1, b2, weight_decay on matrices only)."""
+def make_optimizer(cfg: TrainConfig, model_cfg: ModelConfig, mask: Any = None) -> optax.GradientTransformation:
+    """clip_by_global_norm(max_grad_norm) -> AdamW(schedule, b1, b2, weight_decay on matrices only). `mask`: the
+    weight-decay mask of another trained tree (LoRA's adapters, all matrices) instead of the params'."""
     adamw = optax.adamw(
         learning_rate=lr_schedule(cfg),
         b1=cfg.b1,
         b2=cfg.b2,
         weight_decay=cfg.weight_decay,
-        mask=decay_mask(model_cfg),
+        mask=decay_mask(model_cfg) if mask is None else mask,
     )
     if cfg.max_grad_norm > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)

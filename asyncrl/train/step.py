@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from asyncrl.models import params as params_lib
+from asyncrl.models import lora as lora_lib, params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
 from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weights, prepare_loss_inputs
@@ -202,12 +202,20 @@ def _combine_updates(stacked: Metrics) -> Metrics:
 def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
                grad_accum_steps: int, temperature: float, chunk_size: int, params: Params, opt_state: Any,
                batch: RLBatch, step: jax.Array, opt_state_compute: Any = None, compute_dtype: Any = None,
-               updates_per_step: int = 1, ref_params: Params | None = None, ref_compute: Any = None
-               ) -> tuple[Params, Any, Metrics]:
+               updates_per_step: int = 1, ref_params: Params | None = None, ref_compute: Any = None,
+               base: Params | None = None, lora_scale: float | None = None) -> tuple[Params, Any, Metrics]:
     """The unjitted step (see `make_train_step`). `opt_state_compute` moves an offloaded state into device memory,
-    `ref_compute` an offloaded reference."""
+    `ref_compute` an offloaded reference. With LoRA (`base` given), `params` are the adapters: the loss runs the
+    base with them attached (`lora.attach`), gradients and updates are the adapters' only, and the KL reference
+    is the base itself (adapters off)."""
     k = updates_per_step
     micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size, compute_dtype)
+    full = lambda p: p  # noqa: E731
+    if base is not None:
+        full = lambda p: lora_lib.attach(base, p, lora_scale)  # noqa: E731
+        model_loss = micro_loss
+        micro_loss = lambda p, mb, frozen=None: model_loss(full(p), mb, frozen)  # noqa: E731
+        ref_params = base
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     frozen_lp = lambda p: frozen_logprobs(model, p, batch, k, grad_accum_steps, temperature, chunk_size,  # noqa: E731
                                           compute_dtype)
@@ -224,7 +232,7 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
     if k > 1:
         # Decoupled PPO: the proximal policy is the params before the first update, for every mini-batch.
         with jax.named_scope("prox_logprobs"):
-            frozen["prox"] = frozen_lp(params)
+            frozen["prox"] = frozen_lp(full(params))
 
     if k == 1:
         # Exactly the single-update step (bit for bit when no frozen logprobs are needed): the weights above
@@ -269,10 +277,13 @@ def _sample_counts(batch: RLBatch, loss_cfg: LossConfig) -> Metrics:
 
 def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
                     shardings: TrainShardings, grad_accum_steps: int, temperature: float, chunk_size: int,
-                    compute_dtype: Any = None, updates_per_step: int = 1, ref_compute: Any = None) -> StepFn:
-    """`step_fn(params, opt_state, global_batch, step, ref_params=None) -> (params, opt_state, metrics)`, jitted,
-    params and optimizer state donated. `ref_params` (the KL reference) is needed when loss.kl_coef > 0; it may
-    live in pinned host memory, in which case `ref_compute` gives its device-memory shardings.
+                    compute_dtype: Any = None, updates_per_step: int = 1, ref_compute: Any = None,
+                    lora_scale: float | None = None) -> StepFn:
+    """`step_fn(params, opt_state, global_batch, step, ref_params=None, base=None) -> (params, opt_state,
+    metrics)`, jitted, params and optimizer state donated. `ref_params` (the KL reference) is needed when
+    loss.kl_coef > 0; it may live in pinned host memory, in which case `ref_compute` gives its device-memory
+    shardings. With LoRA, `params` are the adapters, `base` the frozen model weights (not donated; also the KL
+    reference) and `lora_scale` alpha / r.
 
     Must be called under `jax.set_mesh(shardings.mesh)`. `step` (int32 scalar) is the optimizer update about to
     be taken (the step's first, with several updates per step); it only feeds the `lr` metric (the optimizer
@@ -280,8 +291,8 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: Lo
     validate(loss_cfg)
     check_normalizer(loss_cfg)
     compute = shardings.opt_state_compute if shardings.offloaded else None
-    fn = lambda params, opt_state, batch, step, ref_params=None: train_step(  # noqa: E731
+    fn = lambda params, opt_state, batch, step, ref_params=None, base=None: train_step(  # noqa: E731
         model, tx, loss_cfg, schedule, grad_accum_steps, temperature, chunk_size, params, opt_state, batch, step,
-        compute, compute_dtype, updates_per_step, ref_params, ref_compute)
+        compute, compute_dtype, updates_per_step, ref_params, ref_compute, base, lora_scale)
     return jax.jit(fn, donate_argnums=(0, 1),
                    out_shardings=(shardings.params, shardings.opt_state, shardings.replicated))

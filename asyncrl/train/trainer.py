@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asyncrl.models import params as params_lib
+from asyncrl.models import lora as lora_lib, params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
 from asyncrl.train.batch import HostMetrics, RLBatch, combine_host_metrics, pad_batch
@@ -76,11 +76,21 @@ class Trainer:
             raise ValueError(f"sharding.mesh.cp_ulysses={cp} must divide the model's {model.cfg.num_heads} attention "
                              f"heads and train.pad_to_multiple={train_cfg.pad_to_multiple} (Ulysses splits heads and "
                              "every padded sequence over cp)")
-        self.tx = make_optimizer(train_cfg, model.cfg)
         self.schedule = lr_schedule(train_cfg)
-        self.params_abstract = params_lib.shapes(model.cfg, MASTER_DTYPE)
-        self.shardings = make_shardings(self.mesh, self.model.param_shardings(self.mesh, MASTER_DTYPE),
-                                        self.params_abstract, self.tx, sharding_cfg)
+        self.base_shardings = self.model.param_shardings(self.mesh, MASTER_DTYPE)
+        # LoRA: the trained tree (`params`, the optimizer's, the checkpoints') is the adapters; the model's weights
+        # are `base`, frozen, in the compute dtype, on the model's shardings, and with the KL term also the reference.
+        self.lora = train_cfg.lora if train_cfg.lora.enabled else None
+        if self.lora is not None:
+            lc = self.lora
+            self.params_abstract = lora_lib.shapes(model.cfg, lc.rank, lc.targets, MASTER_DTYPE)
+            trained_shardings = lora_lib.shardings(model.cfg, lc.rank, lc.targets, self.mesh, self.model.rules)
+            self.tx = make_optimizer(train_cfg, model.cfg, mask=jax.tree.map(lambda _: True, self.params_abstract))
+        else:
+            self.params_abstract = params_lib.shapes(model.cfg, MASTER_DTYPE)
+            trained_shardings = self.base_shardings
+            self.tx = make_optimizer(train_cfg, model.cfg)
+        self.shardings = make_shardings(self.mesh, trained_shardings, self.params_abstract, self.tx, sharding_cfg)
         n_data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
         k = train_cfg.updates_per_step
         micro = train_cfg.train_batch_size // (train_cfg.grad_accum_steps * k)
@@ -90,8 +100,8 @@ class Trainer:
                              "(dp x fsdp)")
         compute = None if train_cfg.compute_dtype == "float32" else jnp.dtype(train_cfg.compute_dtype)
         self.ref_dtype = compute or MASTER_DTYPE
-        self.ref_shardings, ref_compute = self.shardings.params, None
-        if loss_cfg.kl_coef > 0 and train_cfg.ref_offload:
+        self.ref_shardings, ref_compute = self.base_shardings, None
+        if loss_cfg.kl_coef > 0 and train_cfg.ref_offload and self.lora is None:
             if supports_memory_kind(self.mesh, "pinned_host"):
                 ref_compute = self.shardings.params
                 self.ref_shardings = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), self.shardings.params)
@@ -100,8 +110,9 @@ class Trainer:
                             "device memory", self.mesh.devices.flat[0].platform)
         self._step_fn = make_train_step(self.model, self.tx, loss_cfg, self.schedule, self.shardings,
                                         train_cfg.grad_accum_steps, temperature, train_cfg.logprob_chunk_size,
-                                        compute, k, ref_compute)
+                                        compute, k, ref_compute, self.lora.scale if self.lora else None)
         self.params: Params | None = None
+        self.base: Params | None = None  # LoRA's frozen weights
         self.ref_params: Params | None = None
         self.opt_state: Any = None
         self._cast_fns: dict[Any, Any] = {}
@@ -117,12 +128,34 @@ class Trainer:
         # One program for the whole tree (init_params with shardings would compile one per leaf); same values.
         init = lambda k: params_lib.init_params(self.model.cfg, k, MASTER_DTYPE)  # noqa: E731
         with jax.set_mesh(self.mesh):
-            self.params = jax.jit(init, out_shardings=self.shardings.params)(init_key)
+            params = jax.jit(init, out_shardings=self.base_shardings)(init_key)
+        if self.lora is not None:
+            self._set_base(params)
+            return
+        self.params = params
         self._init_opt_state()
         self._keep_reference()
 
+    def _set_base(self, params: Params) -> None:
+        """LoRA: `params` become the frozen base (compute dtype); fresh adapters (B = 0: the model starts at the
+        base) from the trainer's RNG, the same on every trainer host."""
+        lc, dtype = self.lora, self.ref_dtype
+        placed = place(params, self.base_shardings)
+        if self.rng is None:
+            self.rng = jax.random.key(0)
+        key = jax.random.fold_in(self.rng, 0x10A)
+        init = lambda k: lora_lib.init(self.model.cfg, lc.rank, lc.targets, k, MASTER_DTYPE)  # noqa: E731
+        with jax.set_mesh(self.mesh):
+            self.base = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.base_shardings)(placed)
+            self.params = jax.jit(init, out_shardings=self.shardings.params)(key)
+        self._init_opt_state()
+
     def load(self, params: Params) -> None:
-        """Start from given weights (any dtype/placement): cast to fp32 and moved onto the trainer shardings."""
+        """Start from given weights (any dtype/placement): cast to fp32 and moved onto the trainer shardings (with
+        LoRA: the frozen base, and fresh adapters)."""
+        if self.lora is not None:
+            self._set_base(params)
+            return
         placed = place(params, self.shardings.params)  # from numpy, another mesh or another dtype
         with jax.set_mesh(self.mesh):
             self.params = self._cast_fn(MASTER_DTYPE)(placed)
@@ -140,15 +173,17 @@ class Trainer:
     def set_reference(self, params: Params) -> None:
         """Make `params` (any placement and dtype) the KL reference: cast to the reference dtype, on its shardings.
         A resumed run restores the reference it started with this way (`orchestration/trainer_setup.py`)."""
+        if self.lora is not None:
+            raise ValueError("with train.lora the KL reference is the frozen base (adapters off): nothing to set")
         dtype = self.ref_dtype
-        placed = place(params, self.shardings.params)
+        placed = place(params, self.base_shardings)
         with jax.set_mesh(self.mesh):
             self.ref_params = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.ref_shardings)(placed)
 
     def abstract_reference(self) -> Params:
         """ShapeDtypeStructs of the KL reference on the param shardings: a restore target."""
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, self.ref_dtype, sharding=s),
-                            self.params_abstract, self.shardings.params)
+                            params_lib.shapes(self.model.cfg, MASTER_DTYPE), self.base_shardings)
 
     def _init_opt_state(self) -> None:
         with jax.set_mesh(self.mesh):
@@ -179,17 +214,40 @@ class Trainer:
                 "opt_state": jax.tree.map(attach, opt, self.shardings.opt_state)}
 
     def params_for_inference(self, dtype: Any = jnp.bfloat16) -> Params:
-        """A cast copy of the current params (same shardings); the master copy is untouched."""
+        """A cast copy of the current params (same shardings); the master copy is untouched. With LoRA, the base
+        with the adapters merged in (W + alpha/r A B)."""
         self._require_params()
         with jax.set_mesh(self.mesh):
+            if self.lora is not None:
+                return self._merged_fn(dtype)(self.base, self.params)
             return self._cast_fn(dtype)(self.params)
+
+    def sync_payload(self, dtype: Any, full: bool) -> Any:
+        """What a weight sync moves: the params cast to `dtype`; with LoRA, the fp32 adapters ({"adapters": ..}),
+        plus the base cast to `dtype` when `full` (a receiver's first sync). Receivers merge (`lora.merge`)."""
+        if self.lora is None:
+            return self.params_for_inference(dtype)
+        self._require_params()
+        with jax.set_mesh(self.mesh):
+            out = {"adapters": jax.jit(lambda a: a, out_shardings=self.shardings.params)(self.params)}
+            if full:
+                out["base"] = self._cast_fn(dtype)(self.base)
+        return out
+
+    def _merged_fn(self, dtype: Any) -> Any:
+        dtype = jnp.dtype(dtype)
+        if ("merged", dtype) not in self._cast_fns:
+            scale = self.lora.scale
+            self._cast_fns[("merged", dtype)] = jax.jit(
+                lambda b, a: params_lib.cast(lora_lib.merge(b, a, scale), dtype), out_shardings=self.base_shardings)
+        return self._cast_fns[("merged", dtype)]
 
     def _cast_fn(self, dtype: Any) -> Any:
         """One jitted cast per dtype, kept: a fresh `jax.jit(lambda ..)` per call would retrace and recompile on
         every weight sync."""
         dtype = jnp.dtype(dtype)
         if dtype not in self._cast_fns:
-            self._cast_fns[dtype] = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.shardings.params)
+            self._cast_fns[dtype] = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.base_shardings)
         return self._cast_fns[dtype]
 
     # ---- ahead-of-time compilation -------------------------------------------------------------------------
@@ -204,12 +262,16 @@ class Trainer:
         abstract global batch such as `abstract_batch(T)`."""
         state = self.abstract_state()
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.shardings.replicated)
-        ref = None
-        if self.loss_cfg.kl_coef > 0:
-            ref = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, self.ref_dtype, sharding=s),
-                               self.params_abstract, self.ref_shardings)
+        ref = base = None
+        model_abstract = params_lib.shapes(self.model.cfg, MASTER_DTYPE)
+        frozen = lambda sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, self.ref_dtype, sharding=s),  # noqa: E731
+                                         model_abstract, sh)
+        if self.lora is not None:
+            base = frozen(self.base_shardings)
+        elif self.loss_cfg.kl_coef > 0:
+            ref = frozen(self.ref_shardings)
         with jax.set_mesh(self.mesh):
-            return self._step_fn.lower(state["params"], state["opt_state"], batch, step, ref)
+            return self._step_fn.lower(state["params"], state["opt_state"], batch, step, ref, base)
 
     def lower_sync_cast(self, dtype: Any, out_sharding: Any) -> jax.stages.Lowered:
         """What precedes every weight sync: the inference-dtype cast, gathered whole onto `out_sharding` (the hop
@@ -218,6 +280,12 @@ class Trainer:
         state = self.abstract_state()
         dtype = jnp.dtype(dtype)
         out = jax.tree.map(lambda _: out_sharding, self.params_abstract)
+        if self.lora is not None:  # the fp32 adapters alone travel; the frozen base stays resident beside them
+            base = self.abstract_reference()
+            fn = jax.jit(lambda p, o, b: (p, o, b), donate_argnums=(1, 2),
+                         out_shardings=(out, self.shardings.opt_state, self.base_shardings))
+            with jax.set_mesh(self.mesh):
+                return fn.lower(state["params"], state["opt_state"], base)
         fn = jax.jit(lambda p, o: (params_lib.cast(p, dtype), o), donate_argnums=(1,),
                      out_shardings=(out, self.shardings.opt_state))
         with jax.set_mesh(self.mesh):
@@ -244,7 +312,7 @@ class Trainer:
             update = self.step_count * self.train_cfg.updates_per_step
             step = jax.device_put(np.int32(update), self.shardings.replicated)
             self.params, self.opt_state, metrics = self._step_fn(self.params, self.opt_state, global_batch, step,
-                                                                 self.ref_params)
+                                                                 self.ref_params, self.base)
         # Replicated scalars: this host's copy is the global value (a multi-host array is not fully addressable).
         # One device-to-host transfer for all of them.
         host = jax.device_get({k: v.addressable_data(0) for k, v in metrics.items()})
