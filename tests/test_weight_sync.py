@@ -28,9 +28,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(n: int, tw: int, ndev: int = 2, bucket_mb: float = 64.0, events: str = "", delay: float = 0.0) -> list[str]:
+def _run(n: int, tw: int, ndev: int = 2, bucket_mb: float = 64.0, events: str = "", delay: float = 0.0,
+         extra_env: dict | None = None) -> list[str]:
     port = _port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")} | (extra_env or {})
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "weightsync_worker.py"), str(r), str(n), str(port),
                                str(tw), str(ndev), str(bucket_mb), events, str(delay)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -107,6 +108,20 @@ def test_hop_chain_bit_exact(n, tw, ndev, bucket_mb):
     assert {r.split()[2] for r in results} == {f"slot={s}" for s in range(n // tw)}
     cut = bucket_mb == SMALLER_THAN_A_LEAF and n // tw > 2  # one hop (2 slots) never cuts
     assert all(f"buckets={35 if cut else 1}" in r for r in results), results
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_lora_sync_moves_the_base_once_then_the_adapters_alone_bit_exact(n):
+    """LoRA's payloads through the real chain, 2 and 3 processes: the first sync brings the bf16 base and the fp32
+    adapters, the second the adapters alone (their bytes only); both arrive bit for bit, and each receiver's merge
+    of the kept base with the new adapters is bitwise the merge computed locally."""
+    from asyncrl.models import lora
+
+    results = _run(n, 1, ndev=1, bucket_mb=SMALLER_THAN_A_LEAF, extra_env={"WS_LORA": "1"})
+    assert len(results) == 2 * n and all("ok=True" in r for r in results), results
+    adapter_bytes = 4 * lora.count(preset("tiny"), 8, tuple(lora.TARGETS))
+    assert all(f"bytes={TINY_BYTES + adapter_bytes}" in r for r in results if "round=0" in r), results
+    assert all(f"bytes={adapter_bytes}" in r for r in results if "round=1" in r), results
 
 
 @pytest.mark.parametrize("n,ndev", [(3, 1), (2, 2)])

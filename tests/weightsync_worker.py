@@ -37,12 +37,31 @@ def log_event(kind, bucket, hop):
 
 
 hc = HopChainTransfer(tw, bucket_mb=bucket_mb)
-init = lambda k: params_lib.cast(params_lib.init_params(model.cfg, k, jnp.float32), jnp.bfloat16)  # noqa: E731
-shapes = params_lib.shapes(model.cfg, jnp.bfloat16)
+lora_mode = os.environ.get("WS_LORA") == "1"
+if lora_mode:  # LoRA's payloads (Trainer.sync_payload): the base and the fp32 adapters, then the adapters alone
+    from asyncrl.models import lora  # noqa: E402
+    from asyncrl.orchestration.payload import SyncPayload  # noqa: E402
+    from asyncrl.train.config import LoraConfig  # noqa: E402
+
+    lcfg = LoraConfig(rank=8, alpha=16.0)
+    receiver = SyncPayload(model.cfg, jnp.bfloat16, lcfg)
+
+    def make(k, full):
+        ad = lora.init(model.cfg, lcfg.rank, lcfg.targets, k)
+        ad = jax.tree.map(lambda x: x + 0.01, ad)  # B nonzero, so the merge changes the weights
+        out = {"adapters": ad}
+        if full:
+            out["base"] = params_lib.cast(params_lib.init_params(model.cfg, jax.random.PRNGKey(7), jnp.float32),
+                                          jnp.bfloat16)
+        return out
+else:
+    make = lambda k, full: params_lib.cast(params_lib.init_params(model.cfg, k, jnp.float32), jnp.bfloat16)  # noqa: E731
 for round_ in range(2):  # two syncs: the second reuses the compiled hops and must deliver the new values
     if round_ == 1 and events:  # the event-order test watches the second sync, its connections already open
         hc.hop_delay_s, hc.on_event = delay, log_event
     key = jax.random.PRNGKey(round_)
+    init = lambda k: make(k, round_ == 0)  # noqa: E731
+    shapes = receiver.shapes(round_ == 0) if lora_mode else params_lib.shapes(model.cfg, jnp.bfloat16)
     if hc.slot == 0:  # trainers: a global array over the trainer slot (spans tw processes)
         tree = jax.jit(init, out_shardings=jax.tree.map(lambda _: NamedSharding(hc.meshes[0], P()), shapes))(key)
         out, t = hc.transfer(tree)
@@ -59,6 +78,13 @@ for round_ in range(2):  # two syncs: the second reuses the compiled hops and mu
         ok &= len(shards) == jax.local_device_count()
         for s in shards:
             ok &= np.asarray(s.data).dtype == want.dtype and np.array_equal(
-                np.asarray(s.data).view(np.uint16), np.asarray(want).view(np.uint16))
+                np.asarray(s.data).view(np.uint8), np.asarray(want).view(np.uint8))
+    if lora_mode:  # the receiver's merge: the stored base (from round 0) plus the adapters just received
+        merged = receiver.params(out, round_)
+        want_merged = jax.device_get(jax.jit(lambda a, b: params_lib.cast(lora.merge(b, a, lcfg.scale), jnp.bfloat16),
+                                             device=jax.local_devices()[0])(
+            expected["adapters"], make(jax.random.PRNGKey(0), True)["base"]))
+        for got, want in zip(jax.tree.leaves(merged), jax.tree.leaves(want_merged)):
+            ok &= np.array_equal(np.asarray(got.addressable_shards[0].data).view(np.uint8), np.asarray(want).view(np.uint8))
     print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={bool(ok)} bytes={int(t['weight_sync_bytes'])} "
           f"buckets={int(t['weight_sync_buckets'])}", flush=True)

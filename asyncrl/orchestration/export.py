@@ -14,12 +14,25 @@ TOKENIZER_FILES = ("tokenizer", "special_tokens", "chat_template", "vocab", "mer
 
 def export_hf(cfg: Any, trainer: Any, run_dir: str, rank: int) -> str:
     """Write `trainer`'s params to run_dir/hf (collective over the trainer mesh: every trainer host calls it), and
-    on rank 0 copy the tokenizer beside them. Returns the folder."""
-    from asyncrl.models import save_pretrained
+    on rank 0 copy the tokenizer beside them. Returns the folder. With LoRA, run_dir/hf holds the merged model and
+    run_dir/hf_adapter the adapter alone, in PEFT's format (`peft.PeftModel.from_pretrained(base, folder)`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from asyncrl.models import lora, save_pretrained
     from asyncrl.models.sources import load_tokenizer, resolve_path
+    from asyncrl.sharding.host import to_host
 
     out = os.path.join(run_dir, "hf")
-    save_pretrained(trainer.model, trainer.params, out)
+    if trainer.lora is None:
+        save_pretrained(trainer.model, trainer.params, out)
+    else:
+        save_pretrained(trainer.model, trainer.params_for_inference(jnp.float32), out)
+        adapters = jax.tree.map(to_host, trainer.params)  # collective: every trainer host takes part
+        if rank == 0:
+            lc = trainer.lora
+            lora.save_peft(os.path.join(run_dir, "hf_adapter"), trainer.model.cfg, adapters, lc.rank, lc.alpha,
+                           base_model=cfg.model.path or None)
     if rank == 0:
         src = cfg.model.tokenizer or resolve_path(cfg.model)
         if src is None:  # presets train with the character tokenizer built in the run dir

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet
@@ -101,8 +100,8 @@ class InferenceWorker:
                     if self.gate.params is not None:  # free the old weights before the new ones land
                         jax.tree.map(lambda x: x.delete(), self.gate.params)
                         self.gate.params = None
-                    new, _ = self.transfer.transfer(None, self.shapes, version=msg.version)
-                    self.gate.params, self.gate.version = new, msg.version
+                    got, _ = self.transfer.transfer(None, self.payload.shapes(msg.full), version=msg.version)
+                    self.gate.params, self.gate.version = self.payload.params(got, msg.version), msg.version
                 self.gate.release()
                 self.sync_stats = {"park_s": parked_s, "sync_s": time.perf_counter() - t0}
                 log.debug("weights v%d received in %.2fs (replicas parked in %.2fs)", self.gate.version,
@@ -252,8 +251,8 @@ class InferenceWorker:
     # ---- main -----------------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        from asyncrl.models import params as params_lib
         from asyncrl.models.sources import load_tokenizer, model_config
+        from asyncrl.orchestration.payload import SyncPayload
         from asyncrl.models.transformer import Model
         from asyncrl.weightsync.transfer import HopChainTransfer
 
@@ -266,7 +265,7 @@ class InferenceWorker:
                                  step_timeout_s=cfg.task.verifier.timeout_s * 4 + 30, tools=cfg.tools)
         self.transfer = HopChainTransfer(cfg.async_.train_workers, jax.devices(), bucket_mb=cfg.weightsync.bucket_mb,
                                          timeout_s=cfg.weightsync.timeout_s)
-        self.shapes = params_lib.shapes(mcfg, jnp.dtype(cfg.inference.params_dtype))
+        self.payload = SyncPayload(mcfg, cfg.inference.params_dtype, cfg.train.lora)
         self.replicas: ReplicaSet | None = None
         monitor = threading.Thread(target=self._monitor, name="weight-sync-monitor", daemon=True)
         monitor.start()

@@ -17,6 +17,8 @@ class WeightSync:
     another's."""
 
     version: int
+    full: bool = True
+    """With LoRA, whether the base travels too (a receiver's first sync of the attempt) or only the adapters."""
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,9 @@ def build_trainer(cfg: Any, run_dir: str) -> tuple[Any, TrainerCheckpoints | Non
     reference = _reference_store(cfg, run_dir)
     kept = reference is not None and reference.latest_step() is not None
     # The warm-start makes the starting policy. A resume skips it (the checkpoint holds the policy), unless the KL
-    # reference must be rebuilt from it.
-    if cfg.train.format_warmstart_steps and (not resuming or (cfg.loss.kl_coef > 0 and not kept)):
+    # reference must be rebuilt from it, or the run trains LoRA adapters: their base is the warm-started model.
+    lora = cfg.train.lora.enabled
+    if cfg.train.format_warmstart_steps and (lora or not resuming or (cfg.loss.kl_coef > 0 and not kept)):
         warmstart(cfg, trainer, model, run_dir)
     if reference is not None:
         if kept:
@@ -67,8 +68,9 @@ def build_trainer(cfg: Any, run_dir: str) -> tuple[Any, TrainerCheckpoints | Non
 
 
 def _reference_store(cfg: Any, run_dir: str) -> TrainerCheckpoints | None:
-    """Where the KL reference is kept: only with the KL term on and checkpoints saved or resumed."""
-    if cfg.loss.kl_coef == 0 or not (cfg.checkpoint.every_n_steps or cfg.checkpoint.resume):
+    """Where the KL reference is kept: only with the KL term on and checkpoints saved or resumed. Not with LoRA: the
+    reference is the frozen base, which every start rebuilds from its source (and the cached warm-start)."""
+    if cfg.loss.kl_coef == 0 or cfg.train.lora.enabled or not (cfg.checkpoint.every_n_steps or cfg.checkpoint.resume):
         return None
     return TrainerCheckpoints(os.path.join(run_dir, REFERENCE_DIR), 1, cfg.async_.train_workers)
 

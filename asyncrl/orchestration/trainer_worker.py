@@ -55,6 +55,7 @@ class TrainerWorker:
         self.evals: Evals | None = None
         self._resume_meta: dict[str, Any] = {}
         self._sync: Any = None  # the weight sync in flight (weightsync.overlap), a transfer.PendingSync
+        self._synced = 0  # syncs started by this attempt
         self._sync_m: dict[str, float] = {}  # the timings of the last sync that finished
         self._eval_blocked_s = 0.0  # this step's wait for its own sync before launching an eval round
 
@@ -82,10 +83,13 @@ class TrainerWorker:
         sync and `weight_sync/trainer_blocked_s`, the time this call held the trainer."""
         t0 = time.perf_counter()
         self._await_sync()
-        params = self.trainer.params_for_inference(self.infer_dtype)
+        # With LoRA, the first sync of the attempt carries the base too; later ones the adapters alone.
+        full = self._synced == 0
+        params = self.trainer.sync_payload(self.infer_dtype, full)
+        self._synced += 1
         if self.rank == 0:
             for _ in range(self.inference_hosts):
-                self.q["weight_sync"].put(WeightSync(self.trainer.version))
+                self.q["weight_sync"].put(WeightSync(self.trainer.version, full))
         faults.point("weight_sync", self.rank, self.trainer.step_count, self.run_dir)
         version, feeder = self.trainer.version, self.feeder
         # The feeder gates on the version inference holds, not the trainer's own: credited when the chain is done.

@@ -1,0 +1,51 @@
+"""The receiving end of a weight sync's payload: what the hop chain brings, and the params the engines get.
+
+A full fine-tune moves the params themselves. With LoRA (`train.lora`) the trainer sends the base once, on the
+attempt's first sync, and the fp32 adapters on every sync; the receiver keeps the base and merges on receipt
+(W + alpha/r A B, `lora.merge`), once per sync. The engines then decode with plain weights, so per-token versions
+and in-flight updates work as without LoRA, and a decode step costs what it costs without adapters
+(`benchmarks/lora_inference.py` measures the unmerged alternative).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from asyncrl.models import lora as lora_lib, params as params_lib
+from asyncrl.models.config import ModelConfig
+
+
+class SyncPayload:
+    def __init__(self, mcfg: ModelConfig, dtype: Any, lora_cfg: Any):
+        self.params_shapes = params_lib.shapes(mcfg, jnp.dtype(dtype))
+        self.lora = lora_cfg if lora_cfg.enabled else None
+        self.base: Any = None
+        if self.lora is not None:
+            self.adapter_shapes = lora_lib.shapes(mcfg, self.lora.rank, self.lora.targets, jnp.float32)
+            scale, dtype = self.lora.scale, jnp.dtype(dtype)
+            self._merge = jax.jit(lambda b, a: params_lib.cast(lora_lib.merge(b, a, scale), dtype))
+
+    def shapes(self, full: bool) -> Any:
+        """The tree the sync of this kind brings (a restore target for the hop chain)."""
+        if self.lora is None:
+            return self.params_shapes
+        if full and self.base is not None:  # a new base replaces the old: free it before it lands
+            jax.tree.map(lambda x: x.delete(), self.base)
+            self.base = None
+        return {"adapters": self.adapter_shapes, **({"base": self.params_shapes} if full else {})}
+
+    def params(self, received: Any, version: int) -> Any:
+        """The engines' params from what arrived."""
+        if self.lora is None:
+            return received
+        if "base" in received:
+            self.base = received["base"]
+        if self.base is None:
+            raise RuntimeError(f"weight sync v{version} brought LoRA adapters alone, but this host never received "
+                               "the base (the trainer sends it on the first sync of each attempt)")
+        merged = self._merge(self.base, received["adapters"])
+        jax.tree.map(lambda x: x.delete(), received["adapters"])
+        return merged
