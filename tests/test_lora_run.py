@@ -30,10 +30,10 @@ def test_lora_run_syncs_the_adapters_alone_and_exports_them_for_peft(tmp_path):
     r = rows(run_dir)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
     cfg = preset("tiny")
-    adapter_bytes = 4 * lora.count(cfg, 8, tuple(lora.TARGETS))  # fp32
     from omegaconf import OmegaConf
 
-    dtype = OmegaConf.load(os.path.join(run_dir, "config.yaml")).inference.params_dtype
+    dtype = OmegaConf.load(os.path.join(run_dir, "config.yaml")).inference.params_dtype  # both travel in it
+    adapter_bytes = np.dtype(dtype).itemsize * lora.count(cfg, 8, tuple(lora.TARGETS))
     base_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params_lib.shapes(cfg, dtype)))
     sync = [x["weight_sync_bytes"] for x in r]
     assert sync[0] == base_bytes + adapter_bytes and set(sync[1:]) == {adapter_bytes}, sync

@@ -48,7 +48,7 @@ if lora_mode:  # LoRA's payloads (Trainer.sync_payload): the base and the fp32 a
 
     def make(k, full):
         ad = lora.init(model.cfg, lcfg.rank, lcfg.targets, k)
-        ad = jax.tree.map(lambda x: x + 0.01, ad)  # B nonzero, so the merge changes the weights
+        ad = jax.tree.map(lambda x: (x + 0.01).astype(jnp.bfloat16), ad)  # B nonzero: the merge changes weights
         out = {"adapters": ad}
         if full:
             out["base"] = params_lib.cast(params_lib.init_params(model.cfg, jax.random.PRNGKey(7), jnp.float32),

@@ -1,7 +1,7 @@
 """The receiving end of a weight sync's payload: what the hop chain brings, and the params the engines get.
 
 A full fine-tune moves the params themselves. With LoRA (`train.lora`) the trainer sends the base once, on the
-attempt's first sync, and the fp32 adapters on every sync; the receiver keeps the base and merges on receipt
+attempt's first sync, and the adapters on every sync (both in inference.params_dtype); the receiver keeps the base and merges on receipt
 (W + alpha/r A B, `lora.merge`), once per sync. The engines then decode with plain weights, so per-token versions
 and in-flight updates work as without LoRA, and a decode step costs what it costs without adapters
 (`benchmarks/lora_inference.py` measures the unmerged alternative).
@@ -24,7 +24,7 @@ class SyncPayload:
         self.lora = lora_cfg if lora_cfg.enabled else None
         self.base: Any = None
         if self.lora is not None:
-            self.adapter_shapes = lora_lib.shapes(mcfg, self.lora.rank, self.lora.targets, jnp.float32)
+            self.adapter_shapes = lora_lib.shapes(mcfg, self.lora.rank, self.lora.targets, jnp.dtype(dtype))
             scale, dtype = self.lora.scale, jnp.dtype(dtype)
             self._merge = jax.jit(lambda b, a: params_lib.cast(lora_lib.merge(b, a, scale), dtype))
 

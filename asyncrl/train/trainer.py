@@ -223,13 +223,15 @@ class Trainer:
             return self._cast_fn(dtype)(self.params)
 
     def sync_payload(self, dtype: Any, full: bool) -> Any:
-        """What a weight sync moves: the params cast to `dtype`; with LoRA, the fp32 adapters ({"adapters": ..}),
-        plus the base cast to `dtype` when `full` (a receiver's first sync). Receivers merge (`lora.merge`)."""
+        """What a weight sync moves: the params cast to `dtype`; with LoRA, the adapters ({"adapters": ..}), plus the
+        base when `full` (a receiver's first sync), both cast to `dtype`. Receivers merge (`lora.merge`, in fp32):
+        the merged weight is rounded to `dtype` anyway, and adapters in `dtype` perturb it far less than that
+        rounding (their product is a small correction to W), for half the bytes of fp32 adapters in bf16."""
         if self.lora is None:
             return self.params_for_inference(dtype)
         self._require_params()
         with jax.set_mesh(self.mesh):
-            out = {"adapters": jax.jit(lambda a: a, out_shardings=self.shardings.params)(self.params)}
+            out = {"adapters": self._cast_fn(dtype, self.shardings.params)(self.params)}
             if full:
                 out["base"] = self._cast_fn(dtype)(self.base)
         return out
@@ -242,13 +244,14 @@ class Trainer:
                 lambda b, a: params_lib.cast(lora_lib.merge(b, a, scale), dtype), out_shardings=self.base_shardings)
         return self._cast_fns[("merged", dtype)]
 
-    def _cast_fn(self, dtype: Any) -> Any:
-        """One jitted cast per dtype, kept: a fresh `jax.jit(lambda ..)` per call would retrace and recompile on
-        every weight sync."""
-        dtype = jnp.dtype(dtype)
-        if dtype not in self._cast_fns:
-            self._cast_fns[dtype] = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=self.base_shardings)
-        return self._cast_fns[dtype]
+    def _cast_fn(self, dtype: Any, shardings: Any = None) -> Any:
+        """One jitted cast per dtype (and tree: the model's params, or LoRA's adapters), kept: a fresh
+        `jax.jit(lambda ..)` per call would retrace and recompile on every weight sync."""
+        dtype, shardings = jnp.dtype(dtype), shardings or self.base_shardings
+        key = (dtype, id(shardings))
+        if key not in self._cast_fns:
+            self._cast_fns[key] = jax.jit(lambda p: params_lib.cast(p, dtype), out_shardings=shardings)
+        return self._cast_fns[key]
 
     # ---- ahead-of-time compilation -------------------------------------------------------------------------
     # The programs a run executes, lowered from abstract values only (`launch.py aot` compiles them for a slice).
@@ -280,9 +283,9 @@ class Trainer:
         state = self.abstract_state()
         dtype = jnp.dtype(dtype)
         out = jax.tree.map(lambda _: out_sharding, self.params_abstract)
-        if self.lora is not None:  # the fp32 adapters alone travel; the frozen base stays resident beside them
+        if self.lora is not None:  # the adapters alone travel; the frozen base stays resident beside them
             base = self.abstract_reference()
-            fn = jax.jit(lambda p, o, b: (p, o, b), donate_argnums=(1, 2),
+            fn = jax.jit(lambda p, o, b: (params_lib.cast(p, dtype), o, b), donate_argnums=(1, 2),
                          out_shardings=(out, self.shardings.opt_state, self.base_shardings))
             with jax.set_mesh(self.mesh):
                 return fn.lower(state["params"], state["opt_state"], base)
