@@ -176,6 +176,36 @@ def test_cli_compiles_the_multi_turn_programs_for_v5p():
 
 
 @needs_libtpu
+def test_cli_compiles_the_lora_programs_for_v5p():
+    """With train.lora the run's programs change: the train step takes the adapters (and the frozen base), the
+    sync's cast moves the adapters alone, and inference has the per-sync merge and, for comparison, the decode
+    step with unmerged adapters. Decode keeps the base it merges from resident beside the merged weights."""
+    full = {r["program"]: r for r in json.loads(_aot("--config-name", "tpu_tiny", "--json", "--programs",
+                                                     "train_step,weight_sync,decode").stdout)}
+    out = _aot("--config-name", "tpu_tiny", "--json", "--programs", "train_step,weight_sync,decode,lora",
+               "train.lora.rank=8")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["program"]: r for r in json.loads(out.stdout)}
+    assert set(rows) == {"train_step", "weight_sync_cast", "decode", "lora_merge", "decode_lora_unmerged"}
+    assert all(r["fits"] and r["flops"] > 0 for r in rows.values())
+    from asyncrl.models import lora
+
+    cfg = load_config("tpu_tiny")
+    base_bf16 = 2 * Model(preset("tiny")).cfg.num_params()
+    # The decode program's arguments: the merged weights, the KV state, and now the kept base (as the merge's output
+    # is: a copy of the weights in TPU's padded layouts).
+    kept = rows["decode"]["argument_bytes"] - full["decode"]["argument_bytes"]
+    assert kept == pytest.approx(rows["lora_merge"]["output_bytes"], rel=1e-3) and kept >= base_bf16
+    # The sync's output (gathered onto the first slot) is the bf16 adapters, not the bf16 params.
+    adapter_bf16 = 2 * lora.count(preset("tiny"), 8, tuple(lora.TARGETS))
+    new = lambda r: r["output_bytes"] - r["alias_bytes"]  # noqa: E731  (the gathered copy; the rest is donated)
+    assert new(rows["weight_sync_cast"]) < new(full["weight_sync_cast"]) / 2
+    assert adapter_bf16 < base_bf16 and cfg.inference.params_dtype == "bfloat16"
+    # LoRA's step does less matmul work than the full step's (no weight gradient of the frozen base).
+    assert rows["train_step"]["matmul_flops"] < full["train_step"]["matmul_flops"]
+
+
+@needs_libtpu
 def test_cli_reports_a_program_that_does_not_fit():
     out = _aot("--config-name", "tpu_tiny", "--programs", "train_step", "train.train_batch_size=1048576",
                "train.grad_accum_steps=1")

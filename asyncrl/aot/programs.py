@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.replicas import ReplicaSet
+from asyncrl.models import lora as lora_lib
 from asyncrl.models.sources import model_config
 from asyncrl.models.transformer import Model
 from asyncrl.sharding.roles import split_roles
@@ -83,15 +84,26 @@ def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None 
     T = round_up(cfg.inference.max_seq_len, cfg.train.pad_to_multiple)
     train_tokens = cfg.train.train_batch_size * T
     state = trainer.abstract_state()
+    lc = cfg.train.lora if cfg.train.lora.enabled else None
+    dtype = jnp.dtype(cfg.inference.params_dtype)
+    if lc is None:
+        train_flops, train_bytes = 6.0 * n * train_tokens, shard_bytes(state)
+        sync_bytes = model.cfg.num_params() * dtype.itemsize
+    else:
+        # LoRA: the forward (2N) and the activations' gradient (2N), but no gradient of the frozen base's weights;
+        # the adapters' own 6 n_lora. The frozen base is resident beside the adapters' state.
+        n_lora = lora_lib.count(model.cfg, lc.rank, lc.targets)
+        train_flops = (4.0 * n + 6.0 * n_lora) * train_tokens
+        train_bytes = shard_bytes(state) + shard_bytes(trainer.abstract_reference())
+        sync_bytes = n_lora * dtype.itemsize
     programs.append(Program(
         "train_step", "trainer", t_chips, lambda: trainer.lower_step(trainer.abstract_batch(T)), train_tokens, T,
-        "step", 6.0 * n * train_tokens / t_chips, shard_bytes(state)))
+        "step", train_flops / t_chips, train_bytes))
 
-    dtype = jnp.dtype(cfg.inference.params_dtype)
-    # The hop chain's first slot is the trainer chips: the sync gathers the cast weights whole onto each of them
-    # (replicated over the trainer mesh: the same bytes per chip as over the slot's 1-D mesh).
+    # The hop chain's first slot is the trainer chips: the sync gathers the cast weights (LoRA: the adapters)
+    # whole onto each of them (replicated over the trainer mesh: the same bytes per chip as over the slot's 1-D mesh).
     first_slot = NamedSharding(trainer.mesh, P())
-    cast_bytes = shard_bytes(state["params"]) + model.cfg.num_params() * dtype.itemsize
+    cast_bytes = shard_bytes(state["params"]) + sync_bytes
     programs.append(Program(
         "weight_sync_cast", "trainer", t_chips, lambda: trainer.lower_sync_cast(dtype, first_slot), 0, 0, "call", 0.0,
         cast_bytes))
@@ -108,10 +120,19 @@ def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None 
     e_chips = engine.mesh.devices.size
     weights = shard_bytes(engine.abstract_params())
     state_kv = engine.abstract_state().kv
+    # With LoRA the replica decodes with merged weights and keeps the base it merges the next adapters into.
     programs.append(Program(
-        "decode", "inference", e_chips, engine.lower_decode, cfg.inference.max_decode_batch_size, engine.S,
-        "decode step",
+        "decode", "inference", e_chips, engine.lower_decode if lc is None else engine.lower_decode_keeping_base,
+        cfg.inference.max_decode_batch_size, engine.S, "decode step",
         2.0 * n * cfg.inference.max_decode_batch_size / e_chips, weights + shard_bytes(state_kv)))
+    if lc is not None:  # the two ways to decode with adapters: merged once per sync, or unmerged in every step
+        programs.append(Program("lora_merge", "inference", e_chips, lambda: engine.lower_lora_merge(lc), 0, 0, "call",
+                                0.0, 2 * weights + shard_bytes(engine.abstract_lora(lc))))
+        programs.append(Program(
+            "decode_lora_unmerged", "inference", e_chips,
+            lambda: engine.lower_decode(engine.abstract_params_with_lora(lc)), cfg.inference.max_decode_batch_size,
+            engine.S, "decode step", 2.0 * n * cfg.inference.max_decode_batch_size / e_chips,
+            weights + shard_bytes(engine.abstract_lora(lc)) + shard_bytes(state_kv)))
     for b in engine.prefill_buckets():
         tokens = cfg.inference.max_prefill_prompts * b
         programs.append(Program(

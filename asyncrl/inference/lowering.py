@@ -11,9 +11,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.layout import cpu_decode_layout
 from asyncrl.inference.state import DecodeState
-from asyncrl.models import params as params_lib
+from asyncrl.models import lora as lora_lib, params as params_lib
 from asyncrl.models.kvcache import KVCache
 from asyncrl.models.tokenizer import bucket_length
+from asyncrl.sharding.rules import ShardingRules
 
 
 class AbstractPrograms:
@@ -65,12 +66,51 @@ class AbstractPrograms:
         sh = None if self.mesh is None else NamedSharding(self.mesh, P())
         return jax.ShapeDtypeStruct((), dtype, sharding=sh)
 
-    def lower_decode(self) -> jax.stages.Lowered:
-        """The decode loop with row substitution (`decode_and_swap`), lowered on abstract inputs."""
+    def lower_decode(self, params: Any = None) -> jax.stages.Lowered:
+        """The decode loop with row substitution (`decode_and_swap`), lowered on abstract inputs. `params`: other
+        abstract weights to decode with (e.g. `abstract_params_with_lora`, the unmerged-adapter alternative)."""
         i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
         prefill = self.abstract_state(self.P, split_rows=False)
         scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32())
-        return self._lower(self._decode, (self.abstract_params(), self.abstract_state(), prefill, *scalars))
+        params = self.abstract_params() if params is None else params
+        return self._lower(self._decode, (params, self.abstract_state(), prefill, *scalars))
+
+    # ---- LoRA (train.lora): what inference does with adapters ----------------------------------------------
+
+    def abstract_lora(self, lora_cfg: Any) -> Any:
+        """The adapters as a sync delivers them (inference.params_dtype), on this replica's layout."""
+        dtype = jnp.dtype(self.cfg.params_dtype)
+        shapes = lora_lib.shapes(self.model.cfg, lora_cfg.rank, lora_cfg.targets, dtype)
+        if self.mesh is None:
+            return shapes
+        sh = lora_lib.shardings(self.model.cfg, lora_cfg.rank, lora_cfg.targets, self.mesh,
+                                self.model.rules or ShardingRules(), dtype)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, sh)
+
+    def abstract_params_with_lora(self, lora_cfg: Any) -> Any:
+        """The weights with unmerged adapters attached (`lora.attach`): stacked layouts only (not the CPU one)."""
+        return lora_lib.attach(self.abstract_params(), self.abstract_lora(lora_cfg), lora_cfg.scale)
+
+    def lower_decode_keeping_base(self) -> jax.stages.Lowered:
+        """The decode loop as a merge-on-receipt replica runs it: the LoRA base it merges from stays resident beside
+        the merged weights, as a donated pass-through, so that the compiled peak counts both copies."""
+        i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
+        prefill = self.abstract_state(self.P, split_rows=False)
+        scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32())
+        base = self.abstract_params()
+        state_sh = self.state_shardings(self.B)
+        keep_sh = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, base)
+        fn = jax.jit(lambda keep, *args: (self._decode_and_swap(*args), keep), donate_argnums=(0, 2),
+                     out_shardings=None if state_sh is None else ((state_sh, None), keep_sh))
+        return self._lower(fn, (base, self.abstract_params(), self.abstract_state(), prefill, *scalars))
+
+    def lower_lora_merge(self, lora_cfg: Any) -> jax.stages.Lowered:
+        """Merge-on-receipt, once per sync: the kept base plus alpha/r A B, cast back to the decode dtype."""
+        dtype, scale = jnp.dtype(self.cfg.params_dtype), lora_cfg.scale
+        base = self.abstract_params()
+        fn = jax.jit(lambda b, a: params_lib.cast(lora_lib.merge(b, a, scale), dtype),
+                     out_shardings=jax.tree.map(lambda x: x.sharding, base) if self.mesh is not None else None)
+        return self._lower(fn, (base, self.abstract_lora(lora_cfg)))
 
     def lower_park(self) -> jax.stages.Lowered:
         """The park program (multi-turn engines only): a decode row's cache into a park row."""
