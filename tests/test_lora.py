@@ -117,3 +117,39 @@ def test_unknown_target_names_the_field():
 
     with pytest.raises(ValueError, match="train.lora.targets.*'qq'"):
         lora.abstract(preset("tiny"), 4, ("q", "qq"))
+
+
+def test_unmerged_adapters_under_tensor_parallelism_and_in_the_cpu_decode_layout():
+    """The adapters' sharding rules on a dp x tp Explicit mesh (B split over heads / mlp like W's outputs, wo's and
+    w_down's A over their split inputs, so those contractions are summed over tp), and the engine's CPU layout
+    (output-major base, adapters as they are): both give the unsharded stacked forward's logits."""
+    from jax.sharding import AxisType, Mesh, NamedSharding
+
+    from asyncrl.models import Model, dense, preset
+    from asyncrl.sharding.rules import tensor_parallel_rules
+
+    cfg = preset("tiny")
+    model = Model(cfg)
+    params = model.init_params(jax.random.key(0))
+    ad = _random_adapters(cfg, 4, ALL)
+    x = jax.random.randint(jax.random.key(3), (4, 6), 0, cfg.vocab_size)
+    lens = jnp.array([6, 3, 1, 5], jnp.int32)
+    ref, _ = jax.jit(model.apply)(lora.attach(params, ad, 2.0), x, lens)
+
+    layout = dense.cpu_decode_layout(lora.attach(params, ad, 2.0))
+    assert dense.is_output_major(layout) and isinstance(layout.layers[0].wq, lora.LoraWeight)
+    got, _ = jax.jit(model.apply)(layout, x, lens)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    rules = tensor_parallel_rules("tp", "dp")
+    tp_model = model.with_rules(rules)
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, model.with_rules(rules).param_shardings(mesh))
+        a = jax.device_put(ad, lora.shardings(cfg, 4, ALL, mesh, rules))
+        assert a["wq"]["b"].sharding.spec[2] == "tp" and a["wo"]["a"].sharding.spec[1] == "tp"
+        assert a["w_down"]["a"].sharding.spec[1] == "tp" and a["w_up"]["b"].sharding.spec[2] == "tp"
+        xs = jax.device_put(x, NamedSharding(mesh, jax.sharding.PartitionSpec("dp", None)))
+        ls = jax.device_put(lens, NamedSharding(mesh, jax.sharding.PartitionSpec("dp")))
+        got, _ = jax.jit(tp_model.apply)(lora.attach(p, a, 2.0), xs, ls)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-4)
