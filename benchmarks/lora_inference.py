@@ -37,7 +37,7 @@ import numpy as np
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
-from asyncrl.models import Model, from_pretrained, lora, params as params_lib, preset
+from asyncrl.models import Model, from_pretrained, lora, preset
 from asyncrl.rollout import Prompt
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from asyncrl.models import from_pretrained, lora
 from tests.helpers import KINDS, hf_logits, ragged_batch, save_hf_model

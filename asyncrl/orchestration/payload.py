@@ -1,10 +1,12 @@
 """The receiving end of a weight sync's payload: what the hop chain brings, and the params the engines get.
 
 A full fine-tune moves the params themselves. With LoRA (`train.lora`) the trainer sends the base once, on the
-attempt's first sync, and the adapters on every sync (both in inference.params_dtype); the receiver keeps the base and merges on receipt
-(W + alpha/r A B, `lora.merge`), once per sync. The engines then decode with plain weights, so per-token versions
-and in-flight updates work as without LoRA, and a decode step costs what it costs without adapters
-(`benchmarks/lora_inference.py` measures the unmerged alternative).
+attempt's first sync, and the adapters on every sync (both in inference.params_dtype); the receiver keeps the base
+and merges on receipt (W + alpha/r A B, `lora.merge`), once per sync. The engines then decode with plain weights, so
+per-token versions and in-flight updates work as without LoRA, and a decode step costs what it costs without
+adapters. Why merge rather than apply the adapters unmerged in every decode step: at 8B, one merge costs about what
+one unmerged decode step adds to a few dozen steps, and hundreds of steps run between syncs; the price is the kept
+base, a second copy of the weights (benchmarks/README.md, "lora", has the figures of both).
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ def build_trainer(cfg: Any, run_dir: str) -> tuple[Any, TrainerCheckpoints | Non
     key = jax.random.PRNGKey(cfg.run.seed)
     if cfg.model.path or cfg.model.source:
         _, params = load_model(cfg.model, key)
+        trainer.rng = jax.random.key(cfg.run.seed)  # first: LoRA's adapters are drawn from it by `load`
         trainer.load(params)
-        trainer.rng = jax.random.key(cfg.run.seed)
     else:
         trainer.init(key)
     resuming = cfg.checkpoint.resume and has_checkpoint(run_dir)
