@@ -429,7 +429,11 @@ def _gate_worker(monkeypatch, engines, park_timeout_s, on_transfer=lambda: None)
             landed.append(time.perf_counter())
             return {"w": Leaf(len(landed))}, {}
 
-    w.transfer, w.shapes = Transfer(), None
+    from asyncrl.models import preset
+    from asyncrl.orchestration.payload import SyncPayload
+    from asyncrl.train.config import LoraConfig
+
+    w.transfer, w.payload = Transfer(), SyncPayload(preset("tiny"), "float32", LoraConfig())  # full fine-tune
     w.gate.params, w.gate.version = {"w": Leaf(0)}, 0
     return w, signals, landed
 
@@ -558,9 +562,10 @@ def _sync_worker(overlap: bool):
     tw = TrainerWorker.__new__(TrainerWorker)
     tw.cfg = SimpleNamespace(weightsync=WeightSyncConfig(overlap=overlap))
     tw.rank, tw.run_dir, tw.inference_hosts, tw.infer_dtype = 1, "", 1, None  # rank 1: no queue signals to send
-    tw.trainer = SimpleNamespace(version=0, step_count=0, params_for_inference=lambda dtype: f"copy of v{tw.trainer.version}")
+    tw.trainer = SimpleNamespace(version=0, step_count=0,
+                                 sync_payload=lambda dtype, full: f"copy of v{tw.trainer.version}")
     tw.feeder = SimpleNamespace(set_synced=synced.append)
-    tw.transfer, tw._sync, tw._sync_m = Transfer(), None, {}
+    tw.transfer, tw._sync, tw._sync_m, tw._synced = Transfer(), None, {}, 0
     return tw, synced
 
 
