@@ -130,3 +130,10 @@ def test_bad_lora_config_names_the_field():
         LoraConfig(rank=4, targets=["q", "attn"])
     with pytest.raises(ConfigError, match="train.lora.rank"):
         LoraConfig(rank=-1)
+
+
+def test_the_config_names_the_same_targets_as_the_model():
+    """The config keeps its own copy of the target names (it must not import jax); both lists must agree, in order."""
+    from asyncrl.train.config import LORA_TARGETS
+
+    assert tuple(LORA_TARGETS) == tuple(lora.TARGETS)

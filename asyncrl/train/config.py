@@ -59,6 +59,7 @@ class ShardingConfig:
         check_choice("sharding.fsdp_axis", self.fsdp_axis, ("embed", "vocab", "mlp", "heads", "layers"))
 
 
+# models/lora.py's TARGETS, by name: this module is loaded before jax is (tests/test_lora_train.py checks they agree).
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
