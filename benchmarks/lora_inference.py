@@ -110,9 +110,19 @@ def sync_bytes_table(rank: int) -> list[dict]:
         item = jnp.dtype(cfg.inference.params_dtype).itemsize
         full = mcfg.num_params() * item
         adapters = lora.count(mcfg, rank, tuple(lora.TARGETS)) * item
+        b_alone = lora.count(mcfg, rank, tuple(lora.TARGETS), ("b",)) * item  # train.lora.freeze_a
         rows.append({"preset": path.stem, "model_params": mcfg.num_params(), "full_sync_bytes": full,
-                     "lora_sync_bytes": adapters, "ratio": full / adapters})
+                     "lora_sync_bytes": adapters, "ratio": full / adapters,
+                     "lora_freeze_a_sync_bytes": b_alone, "ratio_freeze_a": full / b_alone})
     return rows
+
+
+def print_sync_bytes(rows: list[dict]) -> None:
+    print("\nweight sync bytes after the first, rank 32 on every projection:")
+    print(f"{'preset':<24} {'full':>10} {'LoRA':>10} {'ratio':>7} {'A frozen':>10} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['preset']:<24} {r['full_sync_bytes'] / 1e9:>8.2f}GB {r['lora_sync_bytes'] / 1e6:>8.1f}MB "
+              f"{r['ratio']:>7.1f} {r['lora_freeze_a_sync_bytes'] / 1e6:>8.1f}MB {r['ratio_freeze_a']:>7.1f}")
 
 
 def main() -> None:
@@ -124,7 +134,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--aot", default=None, help="JSON rows from `launch.py aot ... --out FILE` of a LoRA preset")
     ap.add_argument("--out", default=str(RESULTS / "lora_inference.json"))
+    ap.add_argument("--sync-bytes-only", action="store_true",
+                    help="recompute the sync-bytes table (arithmetic over the presets) into the existing --out file")
     args = ap.parse_args()
+    if args.sync_bytes_only:
+        with open(args.out) as f:
+            result = json.load(f)
+        result["sync_bytes"] = sync_bytes_table(args.rank)
+        print_sync_bytes(result["sync_bytes"])
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     info = machine()
     log(f"machine: {info}")
     model, params = load(args.model)
@@ -175,10 +195,7 @@ def main() -> None:
         for k, r in result["aot"].items():
             print(f"{k:<22} {r['topology']:<10} {1e3 * r['roofline_s']:>12.3f} {r['hbm_bytes_accessed']:>12.4g} "
                   f"{r['flops']:>12.4g} {r['peak_bytes_per_chip'] / 2**30:>9.2f}")
-    print("\nweight sync bytes, rank 32 on every projection:")
-    print(f"{'preset':<24} {'full':>10} {'LoRA':>10} {'ratio':>7}")
-    for r in result["sync_bytes"]:
-        print(f"{r['preset']:<24} {r['full_sync_bytes'] / 1e9:>8.2f}GB {r['lora_sync_bytes'] / 1e6:>8.1f}MB {r['ratio']:>7.1f}")
+    print_sync_bytes(result["sync_bytes"])
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

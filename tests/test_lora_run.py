@@ -23,9 +23,10 @@ def _tensors(path):
     return {k: np.array(f.get(k)) for k in f.keys()}
 
 
-def test_lora_run_syncs_the_adapters_alone_and_exports_them_for_peft(tmp_path):
+@pytest.mark.parametrize("freeze_a", [False, True])
+def test_lora_run_syncs_the_adapters_alone_and_exports_them_for_peft(tmp_path, freeze_a):
     run_dir = str(tmp_path / "run")
-    res = launch(run_dir, *LORA)
+    res = launch(run_dir, *LORA, f"train.lora.freeze_a={freeze_a}")
     assert res.returncode == 0, res.stderr[-4000:]
     r = rows(run_dir)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
@@ -33,10 +34,11 @@ def test_lora_run_syncs_the_adapters_alone_and_exports_them_for_peft(tmp_path):
     from omegaconf import OmegaConf
 
     dtype = OmegaConf.load(os.path.join(run_dir, "config.yaml")).inference.params_dtype  # both travel in it
-    adapter_bytes = np.dtype(dtype).itemsize * lora.count(cfg, 8, tuple(lora.TARGETS))
+    first_bytes = np.dtype(dtype).itemsize * lora.count(cfg, 8, tuple(lora.TARGETS))
+    adapter_bytes = np.dtype(dtype).itemsize * lora.count(cfg, 8, tuple(lora.TARGETS), ("b",) if freeze_a else "ab")
     base_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params_lib.shapes(cfg, dtype)))
     sync = [x["weight_sync_bytes"] for x in r]
-    assert sync[0] == base_bytes + adapter_bytes and set(sync[1:]) == {adapter_bytes}, sync
+    assert sync[0] == base_bytes + first_bytes and set(sync[1:]) == {adapter_bytes}, sync
     kl = [x["train/kl"] for x in r]
     assert all(np.isfinite(kl)) and max(kl) > 0  # the reference (the base) differs from the trained policy
     with open(os.path.join(run_dir, "hf_adapter", "adapter_config.json")) as f:
@@ -49,13 +51,14 @@ def test_lora_run_syncs_the_adapters_alone_and_exports_them_for_peft(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_kill_and_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("freeze_a", [False, True])
+def test_lora_kill_and_resume_equals_uninterrupted(tmp_path, freeze_a):
     """A trainer SIGKILL at step 7 restarts the run from its step-6 checkpoint. At max_lag 0 the run is
     deterministic, so the final adapters must equal an uninterrupted run's bit for bit: every update after the
     resume depends on the restored adapters, their Adam moments (restored, not re-initialised) and the KL
     reference (the base, rebuilt from the cached warm-start)."""
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    args = [*LORA, "train.total_steps=9"]
+    args = [*LORA, "train.total_steps=9", f"train.lora.freeze_a={freeze_a}"]
     res = launch(straight, *args)
     assert res.returncode == 0, res.stderr[-4000:]
     res = launch(resumed, *args, "run.max_restarts=1", env_extra={"ASYNCRL_FAULTS": "kill@step:0:7"})

@@ -95,6 +95,32 @@ def test_sync_payload_carries_the_base_only_when_full():
     assert nbytes(light) < nbytes(full["base"]) / 5
 
 
+def test_freeze_a_trains_b_alone_and_syncs_b_alone_after_the_first():
+    """LoRA-FA. With B = 0 at the start, A's gradient (x^T dy B^T) is exactly 0 on the first step, so the first
+    update of B must equal the both-factors run's; A itself must stay bit for bit at its init (the both-factors
+    run's weight decay moves it), with no optimizer state; and a sync after the first carries B alone."""
+    free = _trainer(dataclasses.replace(TRAIN, lora=LORA))
+    fa = _trainer(dataclasses.replace(TRAIN, lora=dataclasses.replace(LORA, freeze_a=True)))
+    a0 = _host(fa.params)
+    n_b = lora.count(fa.model.cfg, 4, LORA.targets, ("b",))
+    assert sum(x.size for x in jax.tree.leaves(fa.opt_state) if x.ndim > 0) == 2 * n_b  # Adam's moments of B only
+    batch = _batches()[0]
+    m_free, m_fa = free.step(batch), fa.step(batch)
+    assert m_fa["train/grad_norm"] == pytest.approx(m_free["train/grad_norm"], rel=1e-6)
+    got, want = _host(fa.params), _host(free.params)
+    for f in got:
+        np.testing.assert_array_equal(got[f]["a"], a0[f]["a"])
+        assert not np.array_equal(want[f]["a"], a0[f]["a"])  # decayed in the both-factors run
+        np.testing.assert_allclose(got[f]["b"], want[f]["b"], rtol=1e-5, atol=1e-7)
+    fa.step(_batches()[1])
+    for f, pair in _host(fa.params).items():
+        np.testing.assert_array_equal(pair["a"], a0[f]["a"])
+    full, light = fa.sync_payload(jnp.bfloat16, True), fa.sync_payload(jnp.bfloat16, False)
+    assert all(set(p) == {"a", "b"} for p in full["adapters"].values())
+    assert all(set(p) == {"b"} for p in light["adapters"].values())
+    assert sum(x.size for x in jax.tree.leaves(light)) == n_b
+
+
 def test_lora_step_matches_the_gradient_of_the_adapted_model():
     """The trainer's update direction is the gradient of the loss of the base with the adapters attached."""
     t = _trainer(dataclasses.replace(TRAIN, lora=LORA, grad_accum_steps=1, max_grad_norm=0.0, weight_decay=0.0))

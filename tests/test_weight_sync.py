@@ -110,17 +110,20 @@ def test_hop_chain_bit_exact(n, tw, ndev, bucket_mb):
     assert all(f"buckets={35 if cut else 1}" in r for r in results), results
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_lora_sync_moves_the_base_once_then_the_adapters_alone_bit_exact(n):
-    """LoRA's payloads through the real chain, 2 and 3 processes: the first sync brings the bf16 base and the fp32
-    adapters (both bf16), the second the adapters alone (their bytes only); both arrive bit for bit, and each receiver's merge
-    of the kept base with the new adapters is bitwise the merge computed locally."""
+@pytest.mark.parametrize("n,freeze_a", [(2, False), (3, False), (3, True)])
+def test_lora_sync_moves_the_base_once_then_the_adapters_alone_bit_exact(n, freeze_a):
+    """LoRA's payloads through the real chain, 2 and 3 processes: the first sync brings the base and the adapters
+    (both bf16), the second the adapters alone (their bytes only; B alone with A frozen); both arrive bit for bit,
+    and each receiver's merge of the kept base (and kept A) with the new adapters is bitwise the merge computed
+    locally."""
     from asyncrl.models import lora
 
-    results = _run(n, 1, ndev=1, bucket_mb=SMALLER_THAN_A_LEAF, extra_env={"WS_LORA": "1"})
+    results = _run(n, 1, ndev=1, bucket_mb=SMALLER_THAN_A_LEAF,
+                   extra_env={"WS_LORA": "freeze_a" if freeze_a else "1"})
     assert len(results) == 2 * n and all("ok=True" in r for r in results), results
-    adapter_bytes = 2 * lora.count(preset("tiny"), 8, tuple(lora.TARGETS))
-    assert all(f"bytes={TINY_BYTES + adapter_bytes}" in r for r in results if "round=0" in r), results
+    first_bytes = 2 * lora.count(preset("tiny"), 8, tuple(lora.TARGETS))
+    adapter_bytes = 2 * lora.count(preset("tiny"), 8, tuple(lora.TARGETS), ("b",) if freeze_a else ("a", "b"))
+    assert all(f"bytes={TINY_BYTES + first_bytes}" in r for r in results if "round=0" in r), results
     assert all(f"bytes={adapter_bytes}" in r for r in results if "round=1" in r), results
 
 

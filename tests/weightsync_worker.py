@@ -37,19 +37,20 @@ def log_event(kind, bucket, hop):
 
 
 hc = HopChainTransfer(tw, bucket_mb=bucket_mb)
-lora_mode = os.environ.get("WS_LORA") == "1"
-if lora_mode:  # LoRA's payloads (Trainer.sync_payload): the base and the fp32 adapters, then the adapters alone
+lora_mode = os.environ.get("WS_LORA") in ("1", "freeze_a")
+if lora_mode:  # LoRA's payloads (Trainer.sync_payload): the base and the adapters, then the adapters alone (B alone
+    # with A frozen: the receiver merges round 0's A with round 1's B)
     from asyncrl.models import lora  # noqa: E402
     from asyncrl.orchestration.payload import SyncPayload  # noqa: E402
     from asyncrl.train.config import LoraConfig  # noqa: E402
 
-    lcfg = LoraConfig(rank=8, alpha=16.0)
+    lcfg = LoraConfig(rank=8, alpha=16.0, freeze_a=os.environ["WS_LORA"] == "freeze_a")
     receiver = SyncPayload(model.cfg, jnp.bfloat16, lcfg)
 
     def make(k, full):
         ad = lora.init(model.cfg, lcfg.rank, lcfg.targets, k)
         ad = jax.tree.map(lambda x: (x + 0.01).astype(jnp.bfloat16), ad)  # B nonzero: the merge changes weights
-        out = {"adapters": ad}
+        out = {"adapters": lora.synced(ad, full, lcfg.freeze_a)}
         if full:
             out["base"] = params_lib.cast(params_lib.init_params(model.cfg, jax.random.PRNGKey(7), jnp.float32),
                                           jnp.bfloat16)
@@ -81,9 +82,11 @@ for round_ in range(2):  # two syncs: the second reuses the compiled hops and mu
                 np.asarray(s.data).view(np.uint8), np.asarray(want).view(np.uint8))
     if lora_mode:  # the receiver's merge: the stored base (from round 0) plus the adapters just received
         merged = receiver.params(out, round_)
+        first = make(jax.random.PRNGKey(0), True)
+        ad = {f: {"a": first["adapters"][f]["a"] if lcfg.freeze_a else p["a"], "b": p["b"]}
+              for f, p in expected["adapters"].items()}
         want_merged = jax.device_get(jax.jit(lambda a, b: params_lib.cast(lora.merge(b, a, lcfg.scale), jnp.bfloat16),
-                                             device=jax.local_devices()[0])(
-            expected["adapters"], make(jax.random.PRNGKey(0), True)["base"]))
+                                             device=jax.local_devices()[0])(ad, first["base"]))
         for got, want in zip(jax.tree.leaves(merged), jax.tree.leaves(want_merged)):
             ok &= np.array_equal(np.asarray(got.addressable_shards[0].data).view(np.uint8), np.asarray(want).view(np.uint8))
     print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={bool(ok)} bytes={int(t['weight_sync_bytes'])} "

@@ -91,11 +91,13 @@ def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None 
         sync_bytes = model.cfg.num_params() * dtype.itemsize
     else:
         # LoRA: the forward (2N) and the activations' gradient (2N), but no gradient of the frozen base's weights;
-        # the adapters' own 6 n_lora. The frozen base is resident beside the adapters' state.
+        # the adapters' own 6 n_lora (4 n_lora + 2 n_b with A frozen: no gradient of A). The frozen base is
+        # resident beside the adapters' state. A sync after the first moves the adapters (B alone with A frozen).
         n_lora = lora_lib.count(model.cfg, lc.rank, lc.targets)
-        train_flops = (4.0 * n + 6.0 * n_lora) * train_tokens
+        n_b = lora_lib.count(model.cfg, lc.rank, lc.targets, ("b",))
+        train_flops = (4.0 * n + (4.0 * n_lora + 2.0 * n_b if lc.freeze_a else 6.0 * n_lora)) * train_tokens
         train_bytes = shard_bytes(state) + shard_bytes(trainer.abstract_reference())
-        sync_bytes = n_lora * dtype.itemsize
+        sync_bytes = (n_b if lc.freeze_a else n_lora) * dtype.itemsize
     programs.append(Program(
         "train_step", "trainer", t_chips, lambda: trainer.lower_step(trainer.abstract_batch(T)), train_tokens, T,
         "step", train_flops / t_chips, train_bytes))

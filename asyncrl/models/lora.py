@@ -159,8 +159,33 @@ def delta(x: jax.Array, w: LoraWeight, y: jax.Array) -> jax.Array:
     return (jnp.einsum(f"{ld}Z,Z{o}->{ld}{o}", xa, b, **kw2) * jnp.asarray(w.scale, x.dtype)).astype(y.dtype)
 
 
-def count(cfg: ModelConfig, rank: int, targets: Any) -> int:
-    return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(abstract(cfg, rank, targets), is_leaf=_is_spec))
+def count(cfg: ModelConfig, rank: int, targets: Any, factors: tuple[str, ...] = ("a", "b")) -> int:
+    """Adapter values: of both factors, or of `factors` alone (("b",): what a sync with A frozen moves)."""
+    return sum(int(np.prod(pair[x].shape)) for pair in abstract(cfg, rank, targets).values() for x in factors)
+
+
+# ---- A frozen (train.lora.freeze_a) ------------------------------------------------------------------------------
+# LoRA-FA (Zhang et al., 2023): A stays at its random init and only B trains. A then needs no gradient and no
+# optimizer state, and a weight sync after the first moves B alone: r x out values per projection instead of
+# r x (in + out), which is what takes an 8B sync at rank 32 past 100x smaller than the full model's.
+
+def synced(adapters: Adapters, full: bool, freeze_a: bool) -> Adapters:
+    """The factors a weight sync moves: both, except that with A frozen only the attempt's first sync (`full`)
+    carries A; the receivers keep it, and later syncs carry B alone. Works on any tree shaped like the adapters
+    (arrays, shapes, shardings)."""
+    if full or not freeze_a:
+        return adapters
+    return {f: {"b": pair["b"]} for f, pair in adapters.items()}
+
+
+def with_frozen_a(adapters: Adapters) -> Adapters:
+    """The adapters with A cut out of the gradient: XLA then drops the dA matmuls from the backward pass."""
+    return {f: {"a": jax.lax.stop_gradient(pair["a"]), "b": pair["b"]} for f, pair in adapters.items()}
+
+
+def optimizer_labels(adapters: Adapters) -> Adapters:
+    """"frozen" for A, "trained" for B: the labels of `optax.multi_transform` when A is frozen."""
+    return {f: {"a": "frozen", "b": "trained"} for f in adapters}
 
 
 # ---- PEFT's format ---------------------------------------------------------------------------------------------

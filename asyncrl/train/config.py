@@ -74,6 +74,10 @@ class LoraConfig:
     """The adapters' output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
     targets: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Which projections get adapters: any of q, k, v, o, gate, up, down."""
+    freeze_a: bool = False
+    """LoRA-FA: A stays at its random init and only B trains (no gradient or optimizer state for A), so each
+    weight sync after the first moves B alone: about half the bytes (Qwen3-8B, rank 32, all targets: 183x fewer
+    than a full sync instead of 94x)."""
 
     def __post_init__(self) -> None:
         check("train.lora.rank", self.rank, self.rank >= 0, ">= 0")

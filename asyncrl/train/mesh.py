@@ -129,8 +129,10 @@ def opt_state_shardings(tx: optax.GradientTransformation, params_abstract: Param
     """Optimizer state follows params: every param-shaped subtree (mu, nu) takes the param shardings, the rest
     (step counts) is replicated. optax knows which subtrees are param-shaped; shape matching would not."""
     state_abstract = jax.eval_shape(tx.init, params_abstract)
-    return optax.tree_map_params(tx, lambda _, s: s, state_abstract, param_shardings,
-                                 transform_non_params=lambda _: replicated)
+    # A leaf that a multi_transform holds no state for (LoRA's frozen A) is an empty MaskedNode: it stays one.
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    return optax.tree_map_params(tx, lambda v, s: v if masked(v) else s, state_abstract, param_shardings,
+                                 transform_non_params=lambda _: replicated, is_leaf=masked)
 
 
 def _check_cp_groups_local(mesh: Mesh, axes: tuple[str, ...]) -> None:

@@ -47,9 +47,12 @@ def decay_mask(model_cfg: ModelConfig) -> Params:
                         is_leaf=lambda x: isinstance(x, params_lib.ParamSpec))
 
 
-def make_optimizer(cfg: TrainConfig, model_cfg: ModelConfig, mask: Any = None) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, model_cfg: ModelConfig, mask: Any = None,
+                   labels: Any = None) -> optax.GradientTransformation:
     """clip_by_global_norm(max_grad_norm) -> AdamW(schedule, b1, b2, weight_decay on matrices only). `mask`: the
-    weight-decay mask of another trained tree (LoRA's adapters, all matrices) instead of the params'."""
+    weight-decay mask of another trained tree (LoRA's adapters, all matrices) instead of the params'. `labels`: a
+    tree of "trained" / "frozen" (LoRA's A with `train.lora.freeze_a`): frozen leaves get a zero update and no
+    state, and the clipping norm is the trained leaves'."""
     adamw = optax.adamw(
         learning_rate=lr_schedule(cfg),
         b1=cfg.b1,
@@ -57,6 +60,7 @@ def make_optimizer(cfg: TrainConfig, model_cfg: ModelConfig, mask: Any = None) -
         weight_decay=cfg.weight_decay,
         mask=decay_mask(model_cfg) if mask is None else mask,
     )
-    if cfg.max_grad_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
-    return adamw
+    tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw) if cfg.max_grad_norm > 0 else adamw
+    if labels is not None:
+        return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
+    return tx

@@ -35,6 +35,7 @@ from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
 from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weights, prepare_loss_inputs
 from asyncrl.train.batch import RLBatch
+from asyncrl.train.config import LoraConfig
 from asyncrl.ops.logprobs import fused_logprobs_and_entropy, scale_for_temperature
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import Metrics, finalize_metrics, metric_reduction
@@ -203,16 +204,17 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
                grad_accum_steps: int, temperature: float, chunk_size: int, params: Params, opt_state: Any,
                batch: RLBatch, step: jax.Array, opt_state_compute: Any = None, compute_dtype: Any = None,
                updates_per_step: int = 1, ref_params: Params | None = None, ref_compute: Any = None,
-               base: Params | None = None, lora_scale: float | None = None) -> tuple[Params, Any, Metrics]:
+               base: Params | None = None, lora: LoraConfig | None = None) -> tuple[Params, Any, Metrics]:
     """The unjitted step (see `make_train_step`). `opt_state_compute` moves an offloaded state into device memory,
     `ref_compute` an offloaded reference. With LoRA (`base` given), `params` are the adapters: the loss runs the
-    base with them attached (`lora.attach`), gradients and updates are the adapters' only, and the KL reference
-    is the base itself (adapters off)."""
+    base with them attached (`lora.attach`), gradients and updates are the adapters' only (B's alone with
+    `lora.freeze_a`), and the KL reference is the base itself (adapters off)."""
     k = updates_per_step
     micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size, compute_dtype)
     full = lambda p: p  # noqa: E731
     if base is not None:
-        full = lambda p: lora_lib.attach(base, p, lora_scale)  # noqa: E731
+        trained = lora_lib.with_frozen_a if lora.freeze_a else (lambda p: p)
+        full = lambda p: lora_lib.attach(base, trained(p), lora.scale)  # noqa: E731
         model_loss = micro_loss
         micro_loss = lambda p, mb, frozen=None: model_loss(full(p), mb, frozen)  # noqa: E731
         ref_params = base
@@ -278,12 +280,12 @@ def _sample_counts(batch: RLBatch, loss_cfg: LossConfig) -> Metrics:
 def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
                     shardings: TrainShardings, grad_accum_steps: int, temperature: float, chunk_size: int,
                     compute_dtype: Any = None, updates_per_step: int = 1, ref_compute: Any = None,
-                    lora_scale: float | None = None) -> StepFn:
+                    lora: LoraConfig | None = None) -> StepFn:
     """`step_fn(params, opt_state, global_batch, step, ref_params=None, base=None) -> (params, opt_state,
     metrics)`, jitted, params and optimizer state donated. `ref_params` (the KL reference) is needed when
     loss.kl_coef > 0; it may live in pinned host memory, in which case `ref_compute` gives its device-memory
     shardings. With LoRA, `params` are the adapters, `base` the frozen model weights (not donated; also the KL
-    reference) and `lora_scale` alpha / r.
+    reference) and `lora` the train.lora config.
 
     Must be called under `jax.set_mesh(shardings.mesh)`. `step` (int32 scalar) is the optimizer update about to
     be taken (the step's first, with several updates per step); it only feeds the `lr` metric (the optimizer
@@ -293,6 +295,6 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: Lo
     compute = shardings.opt_state_compute if shardings.offloaded else None
     fn = lambda params, opt_state, batch, step, ref_params=None, base=None: train_step(  # noqa: E731
         model, tx, loss_cfg, schedule, grad_accum_steps, temperature, chunk_size, params, opt_state, batch, step,
-        compute, compute_dtype, updates_per_step, ref_params, ref_compute, base, lora_scale)
+        compute, compute_dtype, updates_per_step, ref_params, ref_compute, base, lora)
     return jax.jit(fn, donate_argnums=(0, 1),
                    out_shardings=(shardings.params, shardings.opt_state, shardings.replicated))

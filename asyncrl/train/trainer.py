@@ -85,12 +85,16 @@ class Trainer:
             lc = self.lora
             self.params_abstract = lora_lib.shapes(model.cfg, lc.rank, lc.targets, MASTER_DTYPE)
             trained_shardings = lora_lib.shardings(model.cfg, lc.rank, lc.targets, self.mesh, self.model.rules)
-            self.tx = make_optimizer(train_cfg, model.cfg, mask=jax.tree.map(lambda _: True, self.params_abstract))
+            self.tx = make_optimizer(train_cfg, model.cfg, mask=lambda p: jax.tree.map(lambda _: True, p),
+                                     labels=lora_lib.optimizer_labels(self.params_abstract) if lc.freeze_a else None)
         else:
             self.params_abstract = params_lib.shapes(model.cfg, MASTER_DTYPE)
             trained_shardings = self.base_shardings
             self.tx = make_optimizer(train_cfg, model.cfg)
         self.shardings = make_shardings(self.mesh, trained_shardings, self.params_abstract, self.tx, sharding_cfg)
+        if self.lora is not None:
+            self._synced_shardings = {full: lora_lib.synced(self.shardings.params, full, self.lora.freeze_a)
+                                      for full in (True, False)}
         n_data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
         k = train_cfg.updates_per_step
         micro = train_cfg.train_batch_size // (train_cfg.grad_accum_steps * k)
@@ -110,7 +114,7 @@ class Trainer:
                             "device memory", self.mesh.devices.flat[0].platform)
         self._step_fn = make_train_step(self.model, self.tx, loss_cfg, self.schedule, self.shardings,
                                         train_cfg.grad_accum_steps, temperature, train_cfg.logprob_chunk_size,
-                                        compute, k, ref_compute, self.lora.scale if self.lora else None)
+                                        compute, k, ref_compute, self.lora)
         self.params: Params | None = None
         self.base: Params | None = None  # LoRA's frozen weights
         self.ref_params: Params | None = None
@@ -223,15 +227,17 @@ class Trainer:
             return self._cast_fn(dtype)(self.params)
 
     def sync_payload(self, dtype: Any, full: bool) -> Any:
-        """What a weight sync moves: the params cast to `dtype`; with LoRA, the adapters ({"adapters": ..}), plus the
-        base when `full` (a receiver's first sync), both cast to `dtype`. Receivers merge (`lora.merge`, in fp32):
+        """What a weight sync moves: the params cast to `dtype`; with LoRA, the adapters ({"adapters": ..}; B alone
+        after the first with `lora.freeze_a`), plus the base when `full` (a receiver's first sync), both cast to
+        `dtype`. Receivers merge (`lora.merge`, in fp32):
         the merged weight is rounded to `dtype` anyway, and adapters in `dtype` perturb it far less than that
         rounding (their product is a small correction to W), for half the bytes of fp32 adapters in bf16."""
         if self.lora is None:
             return self.params_for_inference(dtype)
         self._require_params()
         with jax.set_mesh(self.mesh):
-            out = {"adapters": self._cast_fn(dtype, self.shardings.params)(self.params)}
+            shardings = self._synced_shardings[full]  # one object per kind: `_cast_fn` keys its programs on it
+            out = {"adapters": self._cast_fn(dtype, shardings)(lora_lib.synced(self.params, full, self.lora.freeze_a))}
             if full:
                 out["base"] = self._cast_fn(dtype)(self.base)
         return out
@@ -283,9 +289,11 @@ class Trainer:
         state = self.abstract_state()
         dtype = jnp.dtype(dtype)
         out = jax.tree.map(lambda _: out_sharding, self.params_abstract)
-        if self.lora is not None:  # the adapters alone travel; the frozen base stays resident beside them
+        if self.lora is not None:  # the adapters alone travel (B alone with A frozen); the base stays resident
             base = self.abstract_reference()
-            fn = jax.jit(lambda p, o, b: (params_lib.cast(p, dtype), o, b), donate_argnums=(1, 2),
+            out = lora_lib.synced(out, False, self.lora.freeze_a)
+            fn = jax.jit(lambda p, o, b: (params_lib.cast(lora_lib.synced(p, False, self.lora.freeze_a), dtype), o, b),
+                         donate_argnums=(1, 2),
                          out_shardings=(out, self.shardings.opt_state, self.base_shardings))
             with jax.set_mesh(self.mesh):
                 return fn.lower(state["params"], state["opt_state"], base)
