@@ -65,21 +65,26 @@ def run(engine: Engine, make_requests: Callable[[int, int], list[Request]], seco
     while time.perf_counter() - t0 < seconds:
         out += engine.generate(make_requests(fed, engine.P), drain=False)
         fed += engine.P
-        marks.append((time.perf_counter() - t0, dict(vars(engine.stats))))
+        marks.append((time.perf_counter() - t0, {**vars(engine.stats), **engine.stats.extra}))
     w0 = next((t, st) for t, st in marks if t >= warm_s)
     w1 = marks[-1]
     out += engine.generate([], drain=True)
     wall = time.perf_counter() - t0
     s, B = vars(engine.stats), engine.B
     span = max(w1[0] - w0[0], 1e-9)
-    steady = {k: w1[1][k] - w0[1][k] for k in ("slot_steps", "slot_time", "decode_steps", "decode_time",
-                                                  "extend_time", "prefill_time", "parked_full")}
+    steady = {k: w1[1].get(k, 0) - w0[1].get(k, 0) for k in (
+        "slot_steps", "slot_time", "decode_steps", "decode_time", "extend_time", "prefill_time", "parked_full",
+        "calls", "extend_calls", "extend_rows", "park_time")}
     comps = [c for r in out for c in r.completions]
     return {"steady_s": span, "steady_tokens_per_s": steady["slot_steps"] / span,  # one token per live row-step
             "steady_slots_busy_steps": steady["slot_steps"] / max(1, steady["decode_steps"] * B),
             "steady_slots_busy_time": steady["slot_time"] / (B * span),
             "steady_decode_share": steady["decode_time"] / span, "steady_extend_share": steady["extend_time"] / span,
             "steady_prefill_share": steady["prefill_time"] / span, "steady_re_prefills": float(steady["parked_full"]),
+            "steady_park_share": steady["park_time"] / span, "steady_decode_calls_per_s": steady["calls"] / span,
+            "steady_steps_per_call": steady["decode_steps"] / max(1, steady["calls"]),
+            "steady_extend_calls_per_s": steady["extend_calls"] / span,
+            "steady_extend_rows_per_call": steady["extend_rows"] / max(1, steady["extend_calls"]),
             "wall_s": wall, "generated_tokens": float(s["slot_steps"] - s0["slot_steps"]),
             "tokens_per_s": (s["slot_steps"] - s0["slot_steps"]) / wall,
             "episodes": float(len(comps)), "turns_mean": float(np.mean([c.n_turns for c in comps])),
@@ -96,6 +101,7 @@ def main() -> int:
     ap.add_argument("--tokens-per-turn", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--parked", type=int, default=512)
+    ap.add_argument("--extend-wait-s", type=float, default=InferenceConfig.extend_wait_s)
     ap.add_argument("--model", default="tiny", choices=["tiny", "small"],
                     help="tiny: the 2-layer test model (per-call overhead dominates); small: 8 layers x 512 wide, "
                          "where a decode step costs what it costs a real model relative to the host's per-call work")
@@ -119,7 +125,7 @@ def main() -> int:
     # Multi-turn: TURNS turns of per_turn tokens (+ EOS slot), an observation between them. Single-turn: one turn of
     # the same total, so both generate the same tokens per episode.
     multi_cfg = InferenceConfig(**base, max_seq_len=seq, max_turns=args.turns, max_new_tokens=per_turn,
-                                max_parked_rows=args.parked)
+                                max_parked_rows=args.parked, extend_wait_s=args.extend_wait_s)
     single_cfg = InferenceConfig(**base, max_seq_len=seq, max_turns=1, max_new_tokens=args.turns * (per_turn + 1) - 1)
     # A random model samples this EOS about 1 token in 128: turns end mostly at their budget (max_new_tokens).
     eos = model.cfg.vocab_size - 1
@@ -160,6 +166,10 @@ def main() -> int:
               f"{r['steady_slots_busy_time']:11.3f}{r['steady_decode_share']:8.3f}{r['steady_extend_share']:8.3f}"
               f"{r['steady_prefill_share']:8.3f}{r['steady_re_prefills']:11.0f} |{r['wall_s']:8.2f}"
               f"{r['episodes']:9.0f}{r['generated_tokens']:8.0f}{r['tokens_per_s']:8.0f}{r['turns_mean']:6.2f}")
+    for name, r in rows.items():
+        print(f"{name:13} decode calls/s {r['steady_decode_calls_per_s']:.1f}, steps/call "
+              f"{r['steady_steps_per_call']:.2f}, park share {r['steady_park_share']:.3f}, extend calls/s "
+              f"{r['steady_extend_calls_per_s']:.1f} x {r['steady_extend_rows_per_call']:.1f} rows")
     print(f"multi-turn / single-turn tokens/s: steady {ratio:.3f}, whole run with its tail {ratio_all:.3f}   "
           f"(env latency {args.env_s} s per step; {machine})")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

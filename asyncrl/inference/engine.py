@@ -3,8 +3,9 @@ turns of multi-turn episodes.
 
 Compiled programs (`programs.py`, which the engine extends with the host side):
 - `prefill`, memoized per power-of-two prompt bucket (at most log2(max_seq_len) programs);
-- `decode_and_swap`, compiled once: runs decode steps in a `lax.while_loop` until some live row stops, takes
-  that row out, and puts the next queued (prompt, sample) row in its place. The state is donated. The loop also
+- `decode_and_swap`, compiled once: fills a free slot with the next queued (prompt, sample) row, runs decode steps
+  in a `lax.while_loop` until some live row stops, takes that row out, and puts the queued row in its place if no
+  slot was free. The state is donated. The loop also
   returns after `inference.decode_chunk_steps` steps with nothing finished, so the host gets control back (and
   a pending weight sync its chance) at least that often; an insert that did not happen is retried.
 
@@ -293,8 +294,10 @@ class Engine(EpisodeDriver, DecodePrograms):
         t0 = time.perf_counter()
         uid, k = (target[0].rollout.prompt.uid, target[1]) if target is not None else (0, 0)
         scalars = (np.int32(-1 if defer else p), np.int32(slot), np.int32(version), np.uint32(uid & 0xFFFFFFFF),
-                   np.int32(k), np.int32(self.cfg.decode_chunk_steps))
-        live = self._in_flight  # rows decoding through this chunk (an inserted row joins at its end)
+                   np.int32(k), np.int32(self.cfg.decode_chunk_steps), np.bool_(bool(self._queue)))
+        # Rows decoding through this chunk: a row filled into a free slot joins at its start, a substituted one at
+        # its end.
+        live = self._in_flight + int(target is not None and not defer and self._in_flight < self.B)
         self._state, row = self._run(self._decode, params, *scalars, device=(self._state, prefill))
         # Waiting for the flags waits for the device to finish the chunk, so decode_time (and the
         # decode_tokens_per_s metric built on it) is device time, and `between_loops` runs on executed work.
@@ -311,7 +314,10 @@ class Engine(EpisodeDriver, DecodePrograms):
         if int(out_slot) >= 0:  # a finished row came out
             self._in_flight -= 1
             park_at = -1
-            if self.Q and self._free_park:  # its cache to the park store, while its environment steps
+            group, k = self._slots[int(out_slot)]
+            ep = group.episodes[k]
+            # Its cache to the park store while its environment steps, unless no turn can follow this one.
+            if self.Q and self._free_park and ep.env is not None and ep.turn + 1 < self.cfg.max_turns:
                 park_at = self._free_park.pop()
                 t1 = time.perf_counter()
                 self._state, self._park = self._run(self._park_prog, params, np.int32(park_at),

@@ -71,7 +71,7 @@ class AbstractPrograms:
         abstract weights to decode with (e.g. `abstract_params_with_lora`, the unmerged-adapter alternative)."""
         i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
         prefill = self.abstract_state(self.P, split_rows=False)
-        scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32())
+        scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32(), self._scalar(jnp.bool_))
         params = self.abstract_params() if params is None else params
         return self._lower(self._decode, (params, self.abstract_state(), prefill, *scalars))
 
@@ -96,7 +96,7 @@ class AbstractPrograms:
         the merged weights, as a donated pass-through, so that the compiled peak counts both copies."""
         i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
         prefill = self.abstract_state(self.P, split_rows=False)
-        scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32())
+        scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32(), self._scalar(jnp.bool_))
         base = self.abstract_params()
         state_sh = self.state_shardings(self.B)
         keep_sh = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, base)

@@ -2,16 +2,17 @@
 layouts, and their abstract (ahead-of-time) lowering. `engine.Engine` drives them from the host.
 
 - `prefill`, memoized per power-of-two prompt bucket (at most log2(max_seq_len) programs);
-- `decode_and_swap`, compiled once: runs decode steps in a `lax.while_loop` until some live row stops, takes
-  that row out, and puts the next queued (prompt, sample) row in its place. The state is donated. The loop also
-  returns after `inference.decode_chunk_steps` steps with nothing finished.
+- `decode_and_swap`, compiled once: puts the next queued (prompt, sample) row into a free slot if there is one,
+  runs decode steps in a `lax.while_loop` until some live row stops, takes that row out, and puts the queued row
+  in its place if it is not in yet. The state is donated. The loop also returns after
+  `inference.decode_chunk_steps` steps with nothing finished.
 
 Multi-turn engines (`inference.max_turns` > 1) add two programs, and a park store: a donated KV cache of
 `inference.parked_rows` rows where a row that ends its turn leaves its keys and values while its environment
 steps, so its decode slot serves another row meanwhile.
 - `park`: copies the cache of the row `decode_and_swap` just took out into a free park row. A multi-turn engine
   runs `decode_and_swap` without a substitution when its batch is full (the row comes out and its slot stays free),
-  parks the row, and fills the slot on its next call. Parking inside `decode_and_swap`, next to its in-place row
+  parks the row, and fills the slot at the start of its next call. Parking inside `decode_and_swap`, next to its in-place row
   substitution, made XLA copy the whole decode cache on every call (measured: 36-45 ms a call on an 8-layer
   model, against 0.4 ms for this separate program);
 - `extend`, memoized per power-of-two bucket like prefill: takes parked rows, appends each one's continuation (its
@@ -224,26 +225,33 @@ class DecodePrograms(AbstractPrograms):
 
     def _decode_and_swap(
         self, params: Any, s: DecodeState, prefill: DecodeState, p: jax.Array, slot: jax.Array, version: jax.Array,
-        uid: jax.Array, k: jax.Array, max_steps: jax.Array,
+        uid: jax.Array, k: jax.Array, max_steps: jax.Array, more: jax.Array,
     ) -> tuple[DecodeState, FinishedRow]:
+        """`p` >= 0: insert prefill row p; `more`: whether the host has further rows waiting after it (the loop
+        does not decode while a slot is free and a row waits for it)."""
         want_insert = p >= 0
         row_key = jax.random.fold_in(jax.random.fold_in(s.key, uid), k)
         steps0 = s.steps
+        # A free row is filled before the loop, which then decodes with it: one call per row, where filling after
+        # the loop took a second, zero-step call (multi-turn engines free a row at every turn's end).
+        fill = want_insert & jnp.any(~s.active)
+        free_row = jnp.argmax(~s.active).astype(jnp.int32)
+        with jax.named_scope("fill_free_row"):
+            s = jax.lax.cond(fill, lambda s: self._insert(s, prefill, p, free_row, slot, row_key), lambda s: s, s)
 
         def cond(s: DecodeState) -> jax.Array:
             has_free = jnp.any(~s.active)
-            return (jnp.any(s.active) & ~jnp.any(s.active & s.stop) & ~(want_insert & has_free)
+            return (jnp.any(s.active) & ~jnp.any(s.active & s.stop) & ~(more & has_free)
                     & (s.steps - steps0 < max_steps))
 
         with jax.named_scope("single_decode_loop"):
             s = jax.lax.while_loop(cond, lambda s: self._decode_step(params, s, version), s)
         done = s.active & s.stop
-        # A free row is filled without extracting anything (the host counts on that); otherwise one stopped
-        # row is extracted and, if a sample is queued, replaced.
-        fill = want_insert & jnp.any(~s.active)
-        any_done = ~fill & jnp.any(done)
-        inserted = want_insert & (fill | any_done)  # False when the chunk ran out with every row still live
-        row = jnp.where(any_done, jnp.argmax(done), jnp.argmax(~s.active)).astype(jnp.int32)
+        # One stopped row is extracted and, if a sample is queued and was not filled in above, replaced.
+        any_done = jnp.any(done)
+        substitute = want_insert & ~fill & any_done
+        inserted = fill | substitute  # False when the chunk ran out with every row still live
+        row = jnp.where(any_done, jnp.argmax(done), free_row).astype(jnp.int32)
         sel = jnp.arange(done.shape[0]) == row  # [B]
 
         def take(x: jax.Array) -> jax.Array:
@@ -260,7 +268,7 @@ class DecodePrograms(AbstractPrograms):
         )
         with jax.named_scope("sub_next_batch"):
             s = jax.lax.cond(
-                inserted,
+                substitute,
                 lambda s: self._insert(s, prefill, p, row, slot, row_key),
                 lambda s: jax.lax.cond(any_done, lambda s: deactivate_row(s, row), lambda s: s, s),
                 s,
