@@ -32,7 +32,8 @@ DIRECT = {
                       "rollout"},
     "aot": {"inference", "train", "models", "sharding"},
     "config": {"inference", "orchestration", "tasks", "tools", "train", "weightsync", "validate"},  # the run's config
-    "cli": {"config", "orchestration", "aot", "inference", "tasks", "models", "rollout", "validate"},
+    "plan": {"config"},  # the pipeline model; reads a run's config to replay it
+    "cli": {"config", "orchestration", "aot", "plan", "inference", "tasks", "models", "rollout", "validate"},
     "generate": {"cli"},  # `python -m asyncrl.generate`, kept
     "evaluate": {"cli"},
     "launch": {"cli"},

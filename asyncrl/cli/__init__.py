@@ -5,6 +5,7 @@
     submit          the run as a Ray Job; status | logs | stop JOB_ID follow it
     aot             compile every program of a run for a TPU slice (fit, roofline)
     roofline        the blog's closed-form trainer / inference split
+    plan            a discrete-event model of the pipeline: replay a finished run, ask what if
     generate        offline generation with the inference engine
     evaluate        a checkpoint's held-out reward and pass@k
 """
@@ -17,7 +18,7 @@ from typing import Sequence
 # command -> module under asyncrl.cli with a `main(argv) -> int`
 COMMANDS = {
     "run": "run", "submit": "jobs", "status": "jobs", "logs": "jobs", "stop": "jobs",
-    "aot": "aot", "roofline": "roofline", "generate": "generate", "evaluate": "evaluate",
+    "aot": "aot", "roofline": "roofline", "plan": "plan", "generate": "generate", "evaluate": "evaluate",
 }
 
 

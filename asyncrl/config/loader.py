@@ -153,6 +153,21 @@ def load_config(name: str = "default", overrides: Sequence[str] = (), config_dir
     return cfg
 
 
+def load_run_config(path: str) -> Config:
+    """A run's resolved `config.yaml` (what the driver writes into the run directory) back into a Config."""
+    data = _alias_tree(_read_yaml(path))
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = _unalias(str(getattr(e, "full_key", "") or ""))
+        raise ConfigError(f"{path}: {key}: {_unalias(getattr(e, 'msg', str(e)).splitlines()[0])}") from None
+    except ValueError as e:
+        raise ConfigError(f"{path}: {_unalias(str(e))}") from None
+    assert isinstance(cfg, Config)
+    return cfg
+
+
 def to_yaml(cfg: Config) -> str:
     data = OmegaConf.to_container(OmegaConf.structured(cfg))
     assert isinstance(data, dict)

@@ -84,6 +84,7 @@ class EngineStats:
     generated_tokens: int = 0
     decode_time: float = 0.0  # seconds of decode loops, dispatch to device completion
     prefill_time: float = 0.0  # seconds of prefills, dispatch to device completion
+    prefill_calls: int = 0
     extend_time: float = 0.0  # seconds of extends (multi-turn continuations)
     env_steps: int = 0
     env_time: float = 0.0  # seconds environments spent in their steps (on worker threads)
@@ -180,6 +181,7 @@ class Engine(EpisodeDriver, DecodePrograms):
         state = self._run(self._prefill, params, toks, lens, version)
         jax.block_until_ready(state.kv)
         self.stats.prefill_time += time.perf_counter() - t0
+        self.stats.prefill_calls += 1
         return state
 
     def _padded(self, rows: Sequence[Sequence[int]], n: int | None = None,

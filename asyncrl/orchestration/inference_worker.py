@@ -242,7 +242,11 @@ class InferenceWorker:
         s = engine.stats
         m = InferenceReport(engine.name, s.generated_tokens / max(s.decode_time, 1e-9), float(s.finished),
                             float(s.decode_steps), float(engine.version), float(engine.in_flight), s.prefill_time,
-                            {f"weight_sync_{k}": v for k, v in self.sync_stats.items()})
+                            {f"weight_sync_{k}": v for k, v in self.sync_stats.items()},
+                            {"t": time.time(), "decode_time_s": s.decode_time, "decode_steps": float(s.decode_steps),
+                             "slot_steps": float(s.slot_steps), "prefill_s": s.prefill_time,
+                             "prefill_calls": float(s.prefill_calls), "extend_s": s.extend_time,
+                             "generated_tokens": float(s.generated_tokens)})
         try:
             self.q["inference_metrics"].put(m, timeout=1.0)
         except TimeoutError:

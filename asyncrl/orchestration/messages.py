@@ -45,6 +45,9 @@ class InferenceReport:
     prefill_s: float
     extra: dict[str, float] = field(default_factory=dict)
     """Keys without a field of their own: the last weight sync's timings (`weight_sync_park_s`, ...)."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """The replica's cumulative counters and the wall time they were read at (`t`), written to the run's
+    `inference.jsonl` for `launch.py plan --from-run`, not averaged into the step rows."""
 
     def metrics(self) -> dict[str, float]:
         fixed = {k: getattr(self, k) for k in ("decode_tokens_per_s", "finished", "decode_steps", "version",

@@ -35,7 +35,7 @@ def log_rollouts(path: str, step: int, version: int, rollouts: Sequence[Rollout]
 
 def _record(step: int, version: int, r: Rollout) -> dict[str, Any]:
     return {"step": step, "trainer_version": version, "pid": os.getpid(), "id": r.prompt.id,
-            "position": r.prompt.position, "worker": r.worker,
+            "position": r.prompt.position, "worker": r.worker, "prompt_tokens": int(len(r.prompt_tokens)),
             "completions": [{
                 "text": c.text, "reward": c.reward, "reason": c.reason, "finish": c.finish_reason,
                 "n_tokens": int(len(c.tokens)), "prompt_version": c.prompt_version,

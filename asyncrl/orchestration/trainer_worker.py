@@ -14,6 +14,7 @@ regenerates the prompts that were in flight.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asyncrl.orchestration import faults
+from asyncrl.orchestration import faults, jsonl
 from asyncrl.orchestration.evals import Evals
 from asyncrl.orchestration.export import export_hf
 from asyncrl.orchestration.collect import collect_rollouts
@@ -188,7 +189,7 @@ class TrainerWorker:
                 n_tokens = float(np.asarray(batch.seq_lens).sum()) * self.tw
                 row: dict[str, Any] = {"step": step, **metrics, **sync_m, "weight_version": tr.version,
                                        "train/tokens_per_s": n_tokens / max(metrics.get("train/step_time_s", 1e-9), 1e-9),
-                                       "step_time_s": time.perf_counter() - t0}
+                                       "step_time_s": time.perf_counter() - t0, "time": time.time()}
                 # The straggler wait is bounded by the trainer's busy time per step (staleness.StragglerWait).
                 self.straggler.note_busy(row["step_time_s"] - host_m["rollout/queue_wait_s_max"])
                 if step == total:
@@ -196,7 +197,10 @@ class TrainerWorker:
                     if self.feeder is not None:  # no more train prompts: inference goes to the final eval
                         self.feeder.stop.set()
                 if self.rank == 0:
-                    row |= inference_means(self.q["inference_metrics"].drain())
+                    reports = self.q["inference_metrics"].drain()
+                    jsonl.append(os.path.join(self.run_dir, "inference.jsonl"),
+                                 ({"host": m.host, **m.counters} for m in reports if m.counters))
+                    row |= inference_means(reports)
                     if self.evals is not None:
                         self._eval_blocked_s = 0.0
                         row |= self.evals.at_step(step, total, evals_every, before_launch=self._await_sync_for_eval)

@@ -1,0 +1,177 @@
+"""A finished run -> the pipeline model's inputs, and the figures the model should reproduce.
+
+What a run logs that the model is fed with:
+- `metrics.jsonl`, a row per step: the trainer's work per step (its step time less its waits for rollouts and
+  syncs) against the tokens it trained, the sync's cast (`weight_sync_prepare_s`), and each inference host's pause
+  for a sync (`inference/weight_sync_sync_s` less `..._park_s`, the time it took to park);
+- `inference.jsonl`, every replica's cumulative counters, timestamped, every ~2 s: decode seconds, decode steps,
+  row-steps (the live rows summed over steps), prefill seconds and calls. Between two reports of a replica, the
+  mean decode step time at the mean occupancy is one point of the decode-step cost curve;
+- `rollouts.jsonl` (`logging.rollouts_every_n_steps=1`): the completion lengths and prompt lengths of the trained
+  groups, the distribution the model draws from.
+
+What the model is checked against, over the same steps (the first `skip_steps` left out): the mean step time, the
+trainer's busy share (not waiting for rollouts or syncs), the replicas' busy share (in decode or prefill calls),
+the decode batch's occupancy, and the groups dropped for lag.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
+
+
+@dataclass(frozen=True)
+class Measured:
+    steps: int
+    step_s: float
+    trainer_busy: float
+    inference_busy: float
+    decode_occupancy: float
+    dropped_lag_per_step: float
+
+    def row(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class RunReplay:
+    times: ProgramTimes
+    lengths: Lengths
+    layout: Layout
+    measured: Measured
+    notes: list = field(default_factory=list)
+
+
+def _jsonl(path: str) -> list[dict]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                out.append(json.loads(line))
+    return out
+
+
+def _rows(run_dir: str) -> list[dict]:
+    """The metrics rows, the last one of each step (a resumed attempt rewrites the steps after its checkpoint)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"plan --from-run: {path} is missing: is {run_dir} a run directory?")
+    by_step = {int(r["step"]): r for r in _jsonl(path) if "step" in r}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _median(rows: list[dict], key: str, default: float = 0.0) -> float:
+    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return float(np.median(vals)) if vals else default
+
+
+def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
+    from asyncrl.config.loader import load_run_config
+
+    rows = _rows(run_dir)
+    cfg = load_run_config(os.path.join(run_dir, "config.yaml"))
+    if len(rows) <= skip_steps + 2:
+        raise ValueError(f"plan --from-run: {run_dir} has {len(rows)} steps; needs more than {skip_steps + 2}")
+    steady = rows[skip_steps:]
+    notes: list[str] = []
+
+    # The trainer: its work per step (what the simulator's train step stands for) against its tokens.
+    def work(r: dict) -> float:
+        return (r["step_time_s"] - r.get("rollout/queue_wait_s_max", 0.0)
+                - r.get("weight_sync/trainer_blocked_s", 0.0))
+
+    train = Affine.fit([r["train/tokens"] for r in steady], [max(work(r), 0.0) for r in steady])
+    cast = _median(steady, "weight_sync_prepare_s")
+    pause = max(_median(steady, "inference/weight_sync_sync_s") - _median(steady, "inference/weight_sync_park_s"),
+                0.0)
+
+    # The replicas: decode-step cost against occupancy, prefill per call, from the reports' deltas.
+    t0, t1 = steady[0].get("time"), steady[-1].get("time")
+    reports = _jsonl(os.path.join(run_dir, "inference.jsonl")) if os.path.isfile(
+        os.path.join(run_dir, "inference.jsonl")) else []
+    if not reports or t0 is None:
+        raise ValueError(f"plan --from-run: {run_dir} has no inference.jsonl or no row times (a run from before "
+                         "`launch.py plan` existed); rerun it to replay it")
+    by_replica: dict[str, list[dict]] = {}
+    for rep in reports:
+        by_replica.setdefault(rep["host"], []).append(rep)
+    occ_pts, step_pts, busy, span, slot, steps_sum, pre_s, pre_n = [], [], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    B = cfg.inference.max_decode_batch_size
+    for reps in by_replica.values():
+        reps = sorted(reps, key=lambda r: r["t"])
+        win = [r for r in reps if t0 <= r["t"] <= t1]
+        for a, b in zip(reps, reps[1:]):
+            ds = b["decode_steps"] - a["decode_steps"]
+            if ds > 0:
+                occ_pts.append((b["slot_steps"] - a["slot_steps"]) / ds)
+                step_pts.append((b["decode_time_s"] - a["decode_time_s"]) / ds)
+            pre_s += b["prefill_s"] - a["prefill_s"]
+            pre_n += b["prefill_calls"] - a["prefill_calls"]
+        if len(win) >= 2:
+            a, b = win[0], win[-1]
+            busy += (b["decode_time_s"] + b["prefill_s"] + b.get("extend_s", 0.0)
+                     - a["decode_time_s"] - a["prefill_s"] - a.get("extend_s", 0.0))
+            span += b["t"] - a["t"]
+            slot += b["slot_steps"] - a["slot_steps"]
+            steps_sum += b["decode_steps"] - a["decode_steps"]
+    if not step_pts:
+        raise ValueError(f"plan --from-run: {run_dir}/inference.jsonl has no decode steps")
+    decode = Affine.fit(occ_pts, step_pts)
+    if len(set(np.round(occ_pts, 1).tolist())) < 3:
+        notes.append("decode-step cost: the run held its occupancy nearly constant, so its fixed and per-row parts "
+                     "are poorly separated")
+    prefill = Affine(pre_s / pre_n if pre_n else 0.0)
+
+    # Lengths: the trained groups' completions, or the mean per step with no spread.
+    lens, prompts = [], []
+    for path in glob.glob(os.path.join(run_dir, "rollouts*.jsonl")):
+        for rec in _jsonl(path):
+            for c in rec.get("completions", []):
+                lens.append(int(c["n_tokens"]))
+            if "prompt_tokens" in rec:
+                prompts.append(int(rec["prompt_tokens"]))
+    if lens:
+        lengths = Lengths(tuple(max(n, 1) for n in lens), int(round(np.mean(prompts))) if prompts else 16)
+    else:
+        notes.append("no rollouts.jsonl (logging.rollouts_every_n_steps=0): every completion is the run's mean length")
+        lengths = Lengths((max(int(round(_median(steady, "rollout/completion_len_mean", 1.0))), 1),), 16)
+
+    tw = cfg.async_.train_workers
+    inf_hosts = cfg.run.hosts - tw
+    replicas = max(len(by_replica), 1)
+    zv = float(np.mean([r.get("rollout/filtered_zero_variance", 0.0) for r in steady])) / max(cfg.prompts_per_step, 1)
+    layout = Layout(
+        prompts_per_step=cfg.prompts_per_step, group_size=cfg.inference.group_size, replicas=replicas,
+        decode_batch=B, max_lag=cfg.async_.max_lag, steps=len(rows), prefill_prompts=cfg.inference.max_prefill_prompts,
+        decode_chunk_steps=cfg.inference.decode_chunk_steps, overlap=cfg.weightsync.overlap,
+        zero_variance_share=min(zv, 0.95), filter_zero_variance=cfg.loss.filter_zero_variance,
+        straggler_wait_s=cfg.async_.straggler_wait_s if tw == 1 else 0.0,
+        trainer_chips=tw * cfg.run.devices_per_host, inference_chips=inf_hosts * cfg.run.devices_per_host,
+        seed=cfg.run.seed, skip_steps=skip_steps)
+    times = ProgramTimes(decode_step=decode, prefill=prefill, train_step=train, sync_cast_s=cast,
+                         sync_transfer_s=pause)
+    total = sum(r["step_time_s"] for r in steady)
+    measured = Measured(
+        steps=len(rows), step_s=total / len(steady),
+        trainer_busy=sum(max(work(r), 0.0) for r in steady) / total,
+        inference_busy=busy / span if span > 0 else float("nan"),
+        decode_occupancy=slot / (steps_sum * B) if steps_sum > 0 else float("nan"),
+        dropped_lag_per_step=float(np.mean([r.get("rollout/filtered_lag", 0.0) for r in steady])))
+    return RunReplay(times, lengths, layout, measured, notes)
+
+
+def what_if(replay: RunReplay, **changes: Any) -> Layout:
+    """The run's layout with some fields changed (more replicas, another max_lag, a bigger decode batch)."""
+    bad = [k for k in changes if k not in Layout.__dataclass_fields__]
+    if bad:
+        raise ValueError(f"plan: unknown layout field(s) {bad}; choose from {sorted(Layout.__dataclass_fields__)}")
+    return Layout(**{**replay.layout.__dict__, **changes})

@@ -1,0 +1,351 @@
+"""A discrete-event model of the whole async pipeline: what `launch.py plan` runs to say how long a step takes
+before a slice is booked, and why.
+
+What it simulates, each as the real code does it (the module that does it in brackets):
+- Continuous batching on every replica (`inference/engine.py`): a decode call runs steps over the live rows until
+  one of them ends (or `decode_chunk_steps` pass); a step of n live rows costs `decode_step(n)`. A replica pulls
+  the next `prefill_prompts` prompts from the shared queue when the rows of its last chunk are all in the batch,
+  prefills them (its decode stops meanwhile), and fills free slots from them, `group_size` rows per prompt.
+- The feeder's gate (`orchestration/staleness.py`): prompt positions below P (synced + max_lag + 1) + dropped +
+  extra are released, `synced` being the version the inference replicas hold; zero-variance oversampling adds
+  P f / (1 - f) extras with DAPO's filter.
+- The collector (`orchestration/collect.py`): groups whose oldest token lags the trainer by more than max_lag are
+  dropped (and credited, so a replacement is released); with the filter, zero-variance groups too (drawn with
+  probability `zero_variance_share`). A step that holds P trainable groups still waits, up to
+  `straggler_wait_s`, for in-flight groups it is the last step able to train (urgent), then trains the P oldest.
+- The trainer (`orchestration/trainer_worker.py`): a step of T tokens costs `train_step(T)`; then a weight sync:
+  the trainer casts (`sync_cast_s`), the replicas park at the end of their current decode call, and the hop chain
+  moves the weights (`sync_transfer_s`) once every replica has parked; the replicas resume under the new version
+  and the feeder's gate opens by one step. With `overlap` the trainer goes on after the cast and waits for the
+  chain only before its next sync; without it, it waits for the chain.
+
+Outputs (`Result`): step time, trainer and inference busy fractions, decode-slot occupancy, groups dropped for lag
+and zero variance, time the trainer is blocked on syncs, tokens per second per chip, over the steady state (the
+first `skip_steps` steps left out).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncrl.plan.inputs import Layout, Lengths, ProgramTimes
+
+
+@dataclass
+class _Row:
+    pos: int
+    length: int  # completion tokens
+    remaining: int
+    start_version: int  # the version that prefilled its prompt: its oldest token's
+
+
+@dataclass
+class _Group:
+    pos: int
+    released_at: int  # the synced version when the feeder released it
+    left: int  # samples not finished yet
+    oldest: int = 1 << 30
+    tokens: int = 0  # prompt + completion tokens of every sample
+    generated: int = 0
+    zero_variance: bool = False
+
+
+@dataclass
+class _Replica:
+    idx: int
+    version: int = 0
+    rows: list = field(default_factory=list)
+    pending: deque = field(default_factory=deque)
+    busy: bool = False
+    parked: bool = False
+    # (start, end, kind, live rows) of every call: integrated over the steady window afterwards
+    calls: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Result:
+    steps: int
+    step_s: float
+    """Mean wall time per step over the steady state."""
+    step_s_all: list
+    trainer_busy: float
+    """Share of the steady wall time the trainer spends in train steps."""
+    sync_blocked_s: float
+    """Per step: time the trainer waits on weight syncs (casts, and chains it has to wait for)."""
+    inference_busy: float
+    """Share of the steady wall time the replicas spend in decode and prefill calls."""
+    decode_occupancy: float
+    """Live rows / decode batch, averaged over decode time."""
+    slot_busy_time: float
+    """Live rows x time / (decode batch x wall time x replicas): the slots' share of the wall time holding a row."""
+    dropped_lag: int
+    dropped_zero_variance: int
+    generated_tokens_per_s_per_chip: float
+    trained_tokens_per_s_per_chip: float
+    lag_mean: float
+
+    def row(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "step_s_all"}
+
+
+class Simulation:
+    def __init__(self, times: ProgramTimes, lengths: Lengths, layout: Layout):
+        self.t, self.L, self.lay = times, lengths, layout
+        self.rng = np.random.default_rng(layout.seed)
+        self.P, self.G = layout.prompts_per_step, layout.group_size
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.replicas = [_Replica(i) for i in range(layout.replicas)]
+        # feeder
+        self.synced: int | None = None
+        self.next_pos = 0
+        self.dropped = 0
+        self.queue: deque = deque()
+        self.groups: dict[int, _Group] = {}  # released, not yet consumed
+        f = min(layout.zero_variance_share, 0.8)
+        self.extra = math.ceil(self.P * f / (1 - f)) if layout.filter_zero_variance and f > 0 else 0
+        # trainer
+        self.version = 0
+        self.pool: dict[int, _Group] = {}
+        self.training = False
+        self.waiting_since: float | None = None
+        self.step_ends: list[float] = []
+        self.train_spans: list[tuple[float, float]] = []
+        self.blocked: list[tuple[float, float]] = []
+        self.dropped_lag = self.dropped_zv = 0
+        self.lags: list[int] = []
+        self.trained_tokens: list[tuple[float, int, int]] = []  # (step end, tokens, generated)
+        # sync
+        self.sync_version: int | None = None  # the sync in progress (cast done, chain pending)
+        self.chain_started = False
+        self._block_start: float | None = None
+        self._queued_sync: tuple[bool, float] | None = None
+
+    # ---- events ---------------------------------------------------------------------------------------------
+
+    def _at(self, when: float, fn, *args) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), fn, args))
+
+    def run(self) -> Result:
+        self._start_sync(initial=True)
+        while self._events and len(self.step_ends) < self.lay.steps:
+            self.now, _, fn, args = heapq.heappop(self._events)
+            fn(*args)
+        if len(self.step_ends) < self.lay.steps:
+            raise RuntimeError(f"plan: the pipeline stalled after {len(self.step_ends)} of {self.lay.steps} steps "
+                               f"at t={self.now:.3f} s (queue {len(self.queue)}, pool {len(self.pool)})")
+        return self._result()
+
+    # ---- the feeder -----------------------------------------------------------------------------------------
+
+    def _release(self) -> None:
+        if self.synced is None:
+            return
+        limit = self.P * (self.synced + self.lay.max_lag + 1) + self.dropped + self.extra
+        released = False
+        while self.next_pos < limit:
+            g = _Group(self.next_pos, self.synced, self.G)
+            g.zero_variance = bool(self.rng.random() < self.lay.zero_variance_share)
+            self.groups[g.pos] = g
+            self.queue.append(g.pos)
+            self.next_pos += 1
+            released = True
+        if released:
+            for r in self.replicas:
+                if not r.busy and not r.parked:
+                    self._replica_next(r)
+
+    # ---- the replicas -------------------------------------------------------------------------------------
+
+    def _replica_next(self, r: _Replica) -> None:
+        """Replica `r` is between calls at `now`: park for a sync, prefill, decode, or idle."""
+        r.busy = False
+        if self.sync_version is not None and not r.parked:
+            r.parked = True
+            self._maybe_start_chain()
+            return
+        if not r.pending and self.queue:
+            n = min(self.lay.prefill_prompts, len(self.queue))
+            prompts = [self.queue.popleft() for _ in range(n)]
+            cost = self.t.prefill(n * self.L.prompt)
+            for pos in prompts:
+                lens = self.L.draw(self.rng, self.G)
+                g = self.groups[pos]
+                g.oldest = min(g.oldest, r.version)
+                for n_tok in lens:
+                    r.pending.append(_Row(pos, int(n_tok), int(n_tok), r.version))
+            self._call(r, cost, "prefill", 0)
+            return
+        while r.pending and len(r.rows) < self.lay.decode_batch:
+            r.rows.append(r.pending.popleft())
+        if not r.rows:
+            return  # idle until prompts are released or a sync ends
+        k = min(min(x.remaining for x in r.rows), self.lay.decode_chunk_steps)
+        n = len(r.rows)
+        dt = k * self.t.decode_step(n)
+        done = []
+        for x in r.rows:
+            x.remaining -= k
+            if x.remaining == 0:
+                done.append(x)
+        r.rows = [x for x in r.rows if x.remaining > 0]
+        for x in done:
+            self._at(self.now + dt, self._sample_done, x)
+        self._call(r, dt, "decode", n)
+
+    def _call(self, r: _Replica, dt: float, kind: str, live: int) -> None:
+        r.busy = True
+        r.calls.append((self.now, self.now + dt, kind, live))
+        self._at(self.now + dt, self._replica_next, r)
+
+    def _sample_done(self, row: _Row) -> None:
+        g = self.groups[row.pos]
+        g.left -= 1
+        g.tokens += self.L.prompt + row.length
+        g.generated += row.length
+        g.oldest = min(g.oldest, row.start_version)
+        if g.left == 0:
+            self._at(self.now + self.t.verifier_s, self._group_done, g)
+
+    # ---- the trainer ----------------------------------------------------------------------------------------
+
+    def _group_done(self, g: _Group) -> None:
+        del self.groups[g.pos]
+        if g.zero_variance and self.lay.filter_zero_variance:
+            self.dropped_zv += 1
+            self.dropped += 1
+            self._release()
+            return
+        self.pool[g.pos] = g
+        self._try_step()
+
+    def _try_step(self) -> None:
+        if self.training or len(self.step_ends) >= self.lay.steps:
+            return
+        for pos, g in list(self.pool.items()):
+            if self.version - g.oldest > self.lay.max_lag:
+                del self.pool[pos]
+                self.dropped_lag += 1
+                self.dropped += 1
+        self._release()
+        if len(self.pool) < self.P:
+            return
+        urgent = [p for p, g in self.groups.items() if g.released_at <= self.version - self.lay.max_lag]
+        if urgent and self.lay.straggler_wait_s > 0:
+            if self.waiting_since is None:
+                self.waiting_since = self.now
+                self._at(self.now + self.lay.straggler_wait_s, self._try_step)
+            if self.now < self.waiting_since + self.lay.straggler_wait_s:
+                return
+        self.waiting_since = None
+        take = sorted(self.pool)[: self.P]
+        batch = [self.pool.pop(p) for p in take]
+        self.lags += [self.version - g.oldest for g in batch]
+        tokens = sum(g.tokens for g in batch)
+        generated = sum(g.generated for g in batch)
+        dt = self.t.train_step(tokens)
+        self.training = True
+        self.train_spans.append((self.now, self.now + dt))
+        self._at(self.now + dt, self._train_done, tokens, generated)
+
+    def _train_done(self, tokens: int, generated: int) -> None:
+        self.version += 1
+        self.step_ends.append(self.now)
+        self.trained_tokens.append((self.now, tokens, generated))
+        self._start_sync(initial=False)
+
+    # ---- weight sync ----------------------------------------------------------------------------------------
+    # The trainer is held from `start` (its sync call) until the cast is done (with overlap) or the chain is (without
+    # it, and for the initial sync); a sync called while the previous chain still runs first waits for that chain.
+
+    def _start_sync(self, initial: bool) -> None:
+        self.training = True  # no step starts while the trainer is in a sync
+        if self.sync_version is not None:
+            self._queued_sync = (initial, self.now)
+            return
+        self._at(self.now + self.t.sync_cast_s, self._cast_done, initial, self.now)
+
+    def _cast_done(self, initial: bool, start: float) -> None:
+        self.sync_version = self.version
+        self.chain_started = False
+        for r in self.replicas:
+            if not r.busy and not r.parked:
+                self._replica_next(r)  # an idle replica parks at once
+        self._maybe_start_chain()
+        if self.lay.overlap and not initial:
+            self.blocked.append((start, self.now))
+            self.training = False
+            self._try_step()
+        else:
+            self._block_start = start
+
+    def _maybe_start_chain(self) -> None:
+        if self.sync_version is None or self.chain_started or not all(r.parked for r in self.replicas):
+            return
+        self.chain_started = True
+        self._at(self.now + self.t.sync_transfer_s, self._chain_done)
+
+    def _chain_done(self) -> None:
+        v, self.sync_version = self.sync_version, None
+        for r in self.replicas:
+            r.version, r.parked = v, False
+        self.synced = v
+        if self._block_start is not None:  # the trainer waited for this chain
+            self.blocked.append((self._block_start, self.now))
+            self._block_start = None
+            self.training = False
+        if self._queued_sync is not None:  # the trainer's next sync waited for this chain: its cast starts now
+            initial, start = self._queued_sync
+            self._queued_sync = None
+            self._at(self.now + self.t.sync_cast_s, self._cast_done, initial, start)
+        for r in self.replicas:
+            if not r.busy:
+                self._replica_next(r)
+        self._release()
+        self._try_step()
+
+    # ---- figures --------------------------------------------------------------------------------------------
+
+    def _result(self) -> Result:
+        ends = self.step_ends
+        k = min(self.lay.skip_steps, len(ends) - 2) if len(ends) > 2 else 0
+        w0, w1 = (ends[k - 1] if k > 0 else 0.0), ends[-1]
+        span = max(w1 - w0, 1e-12)
+        n_steps = len(ends) - k
+
+        def overlap(a: float, b: float) -> float:
+            return max(0.0, min(b, w1) - max(a, w0))
+
+        train = sum(overlap(a, b) for a, b in self.train_spans)
+        blocked = sum(overlap(a, b) for a, b in self.blocked)
+        busy = decode_t = slot = 0.0
+        for r in self.replicas:
+            for a, b, kind, live in r.calls:
+                o = overlap(a, b)
+                busy += o
+                if kind == "decode":
+                    decode_t += o
+                    slot += o * live
+        steady = [x for x in self.trained_tokens if x[0] > w0]
+        chips = self.lay.trainer_chips + self.lay.inference_chips
+        return Result(
+            steps=len(ends), step_s=span / n_steps, step_s_all=list(np.diff([0.0, *ends])),
+            trainer_busy=train / span, sync_blocked_s=blocked / n_steps,
+            inference_busy=busy / (span * len(self.replicas)),
+            decode_occupancy=slot / max(decode_t * self.lay.decode_batch, 1e-12),
+            slot_busy_time=slot / (span * self.lay.decode_batch * len(self.replicas)),
+            dropped_lag=self.dropped_lag, dropped_zero_variance=self.dropped_zv,
+            generated_tokens_per_s_per_chip=sum(x[2] for x in steady) / span / chips,
+            trained_tokens_per_s_per_chip=sum(x[1] for x in steady) / span / chips,
+            lag_mean=float(np.mean(self.lags)) if self.lags else 0.0)
+
+
+def simulate(times: ProgramTimes, lengths: Lengths, layout: Layout) -> Result:
+    return Simulation(times, lengths, layout).run()
