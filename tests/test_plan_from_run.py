@@ -33,7 +33,7 @@ def _synthetic_run(tmp_path, decode=(0.004, 0.0005), train=(0.05, 2e-5), steps=2
     rng = np.random.default_rng(0)
     rows, t = [], 1000.0
     for s in range(1, steps + 1):
-        tokens = float(rng.integers(900, 1400))
+        tokens = float(rng.integers(500, 1500))
         work = train[0] + train[1] * tokens
         wait, blocked = 0.1, 0.01
         t += work + wait + blocked

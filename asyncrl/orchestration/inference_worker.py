@@ -22,7 +22,7 @@ from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet
 from asyncrl.orchestration import faults
 from asyncrl.orchestration.messages import InferenceReport, WeightSync
-from asyncrl.orchestration.queues import QueueTimeout
+from asyncrl.orchestration.queues import RPC, QueueTimeout
 from asyncrl.rollout import Rollout
 from asyncrl.sharding.roles import split_roles
 from asyncrl.envs import Environments
@@ -198,7 +198,10 @@ class InferenceWorker:
 
     # ---- replica loop ---------------------------------------------------------------------------------------
 
-    def _next_requests(self) -> list[Request]:
+    def _next_requests(self, wait: bool) -> list[Request]:
+        """Up to max_prefill_prompts prompts, eval prompts first. `wait`: block up to 50 ms for one (an idle
+        replica); a replica with rows in flight must not, or every decode call behind an empty queue pays 50 ms
+        (measured at max_lag 0, where the queue is empty for most of a step: 2.4 s steps of 0.13 s of training)."""
         P = self.cfg.inference.max_prefill_prompts
         items = []
         while len(items) < P:  # eval prompts first
@@ -207,7 +210,13 @@ class InferenceWorker:
             except queue.Empty:
                 break
         if not items:
-            item = self.q["prompt"].poll(0.05)
+            if wait:
+                item = self.q["prompt"].poll(0.05)
+            else:
+                try:
+                    item = self.q["prompt"].get_nowait()
+                except queue.Empty:
+                    item = None
             if item is not None:
                 items.append(item)
         while items and len(items) < P:  # top up without waiting
@@ -226,7 +235,7 @@ class InferenceWorker:
             last_report = time.time()
             while not self.stop.is_set():
                 engine.between_loops()
-                reqs = self._next_requests()
+                reqs = self._next_requests(wait=not engine.busy)
                 if reqs:
                     engine.generate(reqs, drain=False, on_group=on_group)
                 elif engine.busy:
@@ -246,7 +255,8 @@ class InferenceWorker:
                             {"t": time.time(), "decode_time_s": s.decode_time, "decode_steps": float(s.decode_steps),
                              "slot_steps": float(s.slot_steps), "prefill_s": s.prefill_time,
                              "prefill_calls": float(s.prefill_calls), "extend_s": s.extend_time,
-                             "generated_tokens": float(s.generated_tokens)})
+                             "generated_tokens": float(s.generated_tokens), "queue_rpc_s": RPC["seconds"],
+                             "queue_rpc_calls": RPC["calls"]})
         try:
             self.q["inference_metrics"].put(m, timeout=1.0)
         except TimeoutError:

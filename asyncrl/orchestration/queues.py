@@ -8,6 +8,7 @@ says which role waited for what on which queue.
 from __future__ import annotations
 
 import queue as std_queue
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,11 @@ METRICS_QUEUE_SIZE = 64  # inference reports; a full queue drops a report, never
 
 class QueueTimeout(TimeoutError):
     pass
+
+
+RPC = {"calls": 0.0, "seconds": 0.0}
+"""This process's non-blocking queue calls (`get_nowait`) and their seconds: one round trip to a queue actor each,
+the cost every prompt and group pays per hop (logged for `launch.py plan`)."""
 
 
 @dataclass
@@ -62,10 +68,14 @@ class RoleQueue:
 
     def get_nowait(self) -> Any:
         """Raises queue.Empty (the standard one) when empty."""
+        t0 = time.perf_counter()
         try:
             return self.q.get_nowait()
         except Empty:
             raise std_queue.Empty from None
+        finally:
+            RPC["calls"] += 1
+            RPC["seconds"] += time.perf_counter() - t0
 
     def poll(self, timeout: float) -> Any | None:
         """Like get, but None instead of an error on timeout (for loops that also check other things)."""

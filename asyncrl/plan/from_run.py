@@ -105,12 +105,17 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
     for rep in reports:
         by_replica.setdefault(rep["host"], []).append(rep)
     occ_pts, step_pts, busy, span, slot, steps_sum, pre_s, pre_n = [], [], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    rpc_s = rpc_n = 0.0
     B = cfg.inference.max_decode_batch_size
     for reps in by_replica.values():
         reps = sorted(reps, key=lambda r: r["t"])
         win = [r for r in reps if t0 <= r["t"] <= t1]
         for a, b in zip(reps, reps[1:]):
+            if b["decode_steps"] < a["decode_steps"]:  # a restarted attempt: its counters start again
+                continue
             ds = b["decode_steps"] - a["decode_steps"]
+            rpc_s += b.get("queue_rpc_s", 0.0) - a.get("queue_rpc_s", 0.0)
+            rpc_n += b.get("queue_rpc_calls", 0.0) - a.get("queue_rpc_calls", 0.0)
             if ds > 0:
                 occ_pts.append((b["slot_steps"] - a["slot_steps"]) / ds)
                 step_pts.append((b["decode_time_s"] - a["decode_time_s"]) / ds)
@@ -126,9 +131,9 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
     if not step_pts:
         raise ValueError(f"plan --from-run: {run_dir}/inference.jsonl has no decode steps")
     decode = Affine.fit(occ_pts, step_pts)
-    if len(set(np.round(occ_pts, 1).tolist())) < 3:
-        notes.append("decode-step cost: the run held its occupancy nearly constant, so its fixed and per-row parts "
-                     "are poorly separated")
+    if decode.per_unit == 0.0:
+        notes.append("decode-step cost: the run's occupancy hardly varied, so the cost is its mean per step, the "
+                     "same at any occupancy (what-ifs that change the batch are rough)")
     prefill = Affine(pre_s / pre_n if pre_n else 0.0)
 
     # Lengths: the trained groups' completions, or the mean per step with no spread.
@@ -158,7 +163,7 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
         trainer_chips=tw * cfg.run.devices_per_host, inference_chips=inf_hosts * cfg.run.devices_per_host,
         seed=cfg.run.seed, skip_steps=skip_steps)
     times = ProgramTimes(decode_step=decode, prefill=prefill, train_step=train, sync_cast_s=cast,
-                         sync_transfer_s=pause)
+                         sync_transfer_s=pause, queue_hop_s=rpc_s / rpc_n if rpc_n else 0.0)
     total = sum(r["step_time_s"] for r in steady)
     measured = Measured(
         steps=len(rows), step_s=total / len(steady),

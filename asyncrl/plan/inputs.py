@@ -27,14 +27,20 @@ class Affine:
 
     @staticmethod
     def fit(xs: Sequence[float], ys: Sequence[float]) -> "Affine":
-        """Least squares over measured (x, seconds) points; one point (or one x) gives a pure per-unit cost."""
+        """Least squares over measured (x, seconds) points. Points that hardly vary in x (spread under half their
+        mean: a train step's tokens, a full batch's rows) cannot separate the two parts, and noise then gives a
+        slope of any size: their mean cost is taken as fixed. A negative part is refitted without it."""
         xs, ys = np.asarray(xs, float), np.asarray(ys, float)
         if len(xs) == 0:
             raise ValueError("Affine.fit: no points")
-        if len(set(xs.tolist())) < 2:
-            return Affine(0.0, float(np.mean(ys / np.maximum(xs, 1e-12))))
+        if len(xs) < 3 or np.ptp(xs) < 0.5 * abs(float(np.mean(xs))):
+            return Affine(float(np.mean(ys)))
         b, a = np.polyfit(xs, ys, 1)
-        return Affine(max(float(a), 0.0), max(float(b), 0.0))
+        if b < 0:
+            return Affine(float(np.mean(ys)))
+        if a < 0:
+            return Affine(0.0, float(np.dot(xs, ys) / np.dot(xs, xs)))
+        return Affine(float(a), float(b))
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,10 @@ class ProgramTimes:
     waits for it too without overlap (and with overlap, before the next sync)."""
     verifier_s: float = 0.0
     """Per sample, off the decode thread: delays its group, costs no decode time."""
+    queue_hop_s: float = 0.0
+    """One call on a Ray queue (a round trip to its actor). Every prompt pays one to be put (on the feeder's thread,
+    one after another) and one to be taken (on the replica's thread, which does not decode meanwhile); every group
+    one to be shipped (a thread beside decode) and one to be polled (on the trainer's thread, between its steps)."""
 
 
 @dataclass(frozen=True)

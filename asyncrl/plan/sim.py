@@ -13,6 +13,9 @@ What it simulates, each as the real code does it (the module that does it in bra
   dropped (and credited, so a replacement is released); with the filter, zero-variance groups too (drawn with
   probability `zero_variance_share`). A step that holds P trainable groups still waits, up to
   `straggler_wait_s`, for in-flight groups it is the last step able to train (urgent), then trains the P oldest.
+- The queues (`orchestration/queues.py`): each prompt and each group crosses two Ray queue calls (`queue_hop_s`
+  each): the feeder puts prompts one by one, a replica takes each prompt of its chunk before it prefills, a
+  shipper thread puts each finished group, and the trainer polls them one by one whenever it is not training.
 - The trainer (`orchestration/trainer_worker.py`): a step of T tokens costs `train_step(T)`; then a weight sync:
   the trainer casts (`sync_cast_s`), the replicas park at the end of their current decode call, and the hop chain
   moves the weights (`sync_transfer_s`) once every replica has parked; the replicas resume under the new version
@@ -107,7 +110,11 @@ class Simulation:
         self.synced: int | None = None
         self.next_pos = 0
         self.dropped = 0
-        self.queue: deque = deque()
+        self.queue: deque = deque()  # prompts on the prompt queue
+        self.feeder_free_at = 0.0  # the feeder thread puts prompts one at a time
+        self.rqueue: deque = deque()  # groups on the rollout queue
+        self.ship_free_at = [0.0] * layout.replicas
+        self.polling = False
         self.groups: dict[int, _Group] = {}  # released, not yet consumed
         f = min(layout.zero_variance_share, 0.8)
         self.extra = math.ceil(self.P * f / (1 - f)) if layout.filter_zero_variance and f > 0 else 0
@@ -149,18 +156,26 @@ class Simulation:
         if self.synced is None:
             return
         limit = self.P * (self.synced + self.lay.max_lag + 1) + self.dropped + self.extra
-        released = False
+        batch: list[int] = []  # prompts that reach the queue at the same time arrive together
         while self.next_pos < limit:
             g = _Group(self.next_pos, self.synced, self.G)
             g.zero_variance = bool(self.rng.random() < self.lay.zero_variance_share)
             self.groups[g.pos] = g
-            self.queue.append(g.pos)
+            at = max(self.now, self.feeder_free_at) + self.t.queue_hop_s
+            if batch and at != self.feeder_free_at:
+                self._at(self.feeder_free_at, self._prompts_queued, batch)
+                batch = []
+            self.feeder_free_at = at
+            batch.append(g.pos)
             self.next_pos += 1
-            released = True
-        if released:
-            for r in self.replicas:
-                if not r.busy and not r.parked:
-                    self._replica_next(r)
+        if batch:
+            self._at(self.feeder_free_at, self._prompts_queued, batch)
+
+    def _prompts_queued(self, positions: list[int]) -> None:
+        self.queue.extend(positions)
+        for r in self.replicas:
+            if not r.busy and not r.parked:
+                self._replica_next(r)
 
     # ---- the replicas -------------------------------------------------------------------------------------
 
@@ -174,7 +189,7 @@ class Simulation:
         if not r.pending and self.queue:
             n = min(self.lay.prefill_prompts, len(self.queue))
             prompts = [self.queue.popleft() for _ in range(n)]
-            cost = self.t.prefill(n * self.L.prompt)
+            cost = n * self.t.queue_hop_s + self.t.prefill(n * self.L.prompt)
             for pos in prompts:
                 lens = self.L.draw(self.rng, self.G)
                 g = self.groups[pos]
@@ -197,7 +212,7 @@ class Simulation:
                 done.append(x)
         r.rows = [x for x in r.rows if x.remaining > 0]
         for x in done:
-            self._at(self.now + dt, self._sample_done, x)
+            self._at(self.now + dt, self._sample_done, x, r.idx)
         self._call(r, dt, "decode", n)
 
     def _call(self, r: _Replica, dt: float, kind: str, live: int) -> None:
@@ -205,29 +220,44 @@ class Simulation:
         r.calls.append((self.now, self.now + dt, kind, live))
         self._at(self.now + dt, self._replica_next, r)
 
-    def _sample_done(self, row: _Row) -> None:
+    def _sample_done(self, row: _Row, replica: int) -> None:
         g = self.groups[row.pos]
         g.left -= 1
         g.tokens += self.L.prompt + row.length
         g.generated += row.length
         g.oldest = min(g.oldest, row.start_version)
-        if g.left == 0:
-            self._at(self.now + self.t.verifier_s, self._group_done, g)
+        if g.left == 0:  # verified, then shipped: one queue call after the last one this replica made
+            ready = self.now + self.t.verifier_s
+            self.ship_free_at[replica] = max(ready, self.ship_free_at[replica]) + self.t.queue_hop_s
+            self._at(self.ship_free_at[replica], self._group_queued, g)
 
     # ---- the trainer ----------------------------------------------------------------------------------------
 
-    def _group_done(self, g: _Group) -> None:
+    def _group_queued(self, g: _Group) -> None:
+        self.rqueue.append(g)
+        self._poll()
+
+    def _poll(self) -> None:
+        """The trainer takes the next group off the rollout queue, unless it is training or syncing."""
+        if self.polling or self.training or not self.rqueue or len(self.step_ends) >= self.lay.steps:
+            return
+        self.polling = True
+        self._at(self.now + self.t.queue_hop_s, self._polled, self.rqueue.popleft())
+
+    def _polled(self, g: _Group) -> None:
+        self.polling = False
         del self.groups[g.pos]
         if g.zero_variance and self.lay.filter_zero_variance:
             self.dropped_zv += 1
             self.dropped += 1
             self._release()
-            return
-        self.pool[g.pos] = g
-        self._try_step()
+        else:
+            self.pool[g.pos] = g
+            self._try_step()
+        self._poll()
 
     def _try_step(self) -> None:
-        if self.training or len(self.step_ends) >= self.lay.steps:
+        if self.training or self.polling or len(self.step_ends) >= self.lay.steps:
             return
         for pos, g in list(self.pool.items()):
             if self.version - g.oldest > self.lay.max_lag:
@@ -283,6 +313,7 @@ class Simulation:
             self.blocked.append((start, self.now))
             self.training = False
             self._try_step()
+            self._poll()
         else:
             self._block_start = start
 
@@ -310,6 +341,7 @@ class Simulation:
                 self._replica_next(r)
         self._release()
         self._try_step()
+        self._poll()
 
     # ---- figures --------------------------------------------------------------------------------------------
 
