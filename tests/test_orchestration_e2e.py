@@ -17,9 +17,10 @@ def test_end_to_end_three_hosts(tmp_path):
                  "async.max_lag=1", "eval.every_n_steps=3", "checkpoint.every_n_steps=0", "checkpoint.resume=false",
                  "logging.rollouts_every_n_steps=1",
                  # Long random-init completions make decode the bottleneck, so rows are still being generated
-                 # when syncs land. Once decode got faster (per-layer CPU decode), 96 tokens left whole runs of
-                 # this config with no update in flight (2 of 8); 160 had some in every run tried.
-                 "inference.max_seq_len=160")
+                 # when syncs land. Each time decode got faster (per-layer CPU decode; no 50 ms poll per decode
+                 # call; prompts released the moment a sync lands) runs came out with no update in flight, so
+                 # both inference hosts also sleep 20 ms per decode chunk: a slow decode, whatever the machine.
+                 "inference.max_seq_len=160", env_extra={"ASYNCRL_FAULTS": "slow@decode:1:20;slow@decode:2:20"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     r = rows(run_dir)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
