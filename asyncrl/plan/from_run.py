@@ -27,6 +27,8 @@ import numpy as np
 
 from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
 
+IDLE_POLL_S = 0.05  # `InferenceWorker._next_requests(wait=True)`: an idle replica's blocking look at the prompts
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -163,7 +165,8 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
         trainer_chips=tw * cfg.run.devices_per_host, inference_chips=inf_hosts * cfg.run.devices_per_host,
         seed=cfg.run.seed, skip_steps=skip_steps)
     times = ProgramTimes(decode_step=decode, prefill=prefill, train_step=train, sync_cast_s=cast,
-                         sync_transfer_s=pause, queue_hop_s=rpc_s / rpc_n if rpc_n else 0.0)
+                         sync_transfer_s=pause, queue_hop_s=rpc_s / rpc_n if rpc_n else 0.0,
+                         idle_poll_s=IDLE_POLL_S)
     total = sum(r["step_time_s"] for r in steady)
     measured = Measured(
         steps=len(rows), step_s=total / len(steady),

@@ -60,6 +60,9 @@ class ProgramTimes:
     waits for it too without overlap (and with overlap, before the next sync)."""
     verifier_s: float = 0.0
     """Per sample, off the decode thread: delays its group, costs no decode time."""
+    idle_poll_s: float = 0.0
+    """An idle replica blocks this long on the prompt queue per look (`InferenceWorker._next_requests`: 50 ms): a
+    prompt ends the wait at once, but a sync is only seen when it runs out."""
     queue_hop_s: float = 0.0
     """One call on a Ray queue (a round trip to its actor). Every prompt pays one to be put (on the feeder's thread,
     one after another) and one to be taken (on the replica's thread, which does not decode meanwhile); every group

@@ -67,6 +67,8 @@ class _Replica:
     pending: deque = field(default_factory=deque)
     busy: bool = False
     parked: bool = False
+    phase_end: float | None = None  # queue calls made before the call about to start end here
+    idle_since: float = 0.0
     # (start, end, kind, live rows) of every call: integrated over the steady window afterwards
     calls: list = field(default_factory=list)
 
@@ -186,22 +188,29 @@ class Simulation:
             r.parked = True
             self._maybe_start_chain()
             return
+        hop = self.t.queue_hop_s
         if not r.pending and self.queue:
             n = min(self.lay.prefill_prompts, len(self.queue))
             prompts = [self.queue.popleft() for _ in range(n)]
-            cost = n * self.t.queue_hop_s + self.t.prefill(n * self.L.prompt)
+            # The replica thread's queue calls: the eval queue first, then one per prompt, and one that finds the
+            # queue empty when the chunk is short (`InferenceWorker._next_requests`).
+            calls = 1 + n + (n < self.lay.prefill_prompts)
+            self._phase(r, calls * hop, "queue", 0)
             for pos in prompts:
                 lens = self.L.draw(self.rng, self.G)
                 g = self.groups[pos]
                 g.oldest = min(g.oldest, r.version)
                 for n_tok in lens:
                     r.pending.append(_Row(pos, int(n_tok), int(n_tok), r.version))
-            self._call(r, cost, "prefill", 0)
+            self._call(r, self.t.prefill(n * self.L.prompt), "prefill", 0)
             return
         while r.pending and len(r.rows) < self.lay.decode_batch:
             r.rows.append(r.pending.popleft())
         if not r.rows:
+            r.idle_since = self.now
             return  # idle until prompts are released or a sync ends
+        if not r.pending:  # no rows waiting: the loop looks at both prompt queues before each decode call
+            self._phase(r, 2 * hop, "queue", 0)
         k = min(min(x.remaining for x in r.rows), self.lay.decode_chunk_steps)
         n = len(r.rows)
         dt = k * self.t.decode_step(n)
@@ -211,14 +220,24 @@ class Simulation:
             if x.remaining == 0:
                 done.append(x)
         r.rows = [x for x in r.rows if x.remaining > 0]
+        start = r.phase_end if r.phase_end is not None else self.now
         for x in done:
-            self._at(self.now + dt, self._sample_done, x, r.idx)
+            self._at(start + dt, self._sample_done, x, r.idx)
         self._call(r, dt, "decode", n)
 
+    def _phase(self, r: _Replica, dt: float, kind: str, live: int) -> None:
+        """Time on the replica's thread before its next call (queue calls): recorded, and the call starts after."""
+        start = r.phase_end if r.phase_end is not None else self.now
+        if dt > 0:
+            r.calls.append((start, start + dt, kind, live))
+        r.phase_end = start + dt
+
     def _call(self, r: _Replica, dt: float, kind: str, live: int) -> None:
+        start = r.phase_end if r.phase_end is not None else self.now
+        r.phase_end = None
         r.busy = True
-        r.calls.append((self.now, self.now + dt, kind, live))
-        self._at(self.now + dt, self._replica_next, r)
+        r.calls.append((start, start + dt, kind, live))
+        self._at(start + dt, self._replica_next, r)
 
     def _sample_done(self, row: _Row, replica: int) -> None:
         g = self.groups[row.pos]
@@ -305,9 +324,15 @@ class Simulation:
     def _cast_done(self, initial: bool, start: float) -> None:
         self.sync_version = self.version
         self.chain_started = False
+        cycle = self.t.idle_poll_s + 2 * self.t.queue_hop_s  # an idle replica's look at its queues
         for r in self.replicas:
             if not r.busy and not r.parked:
-                self._replica_next(r)  # an idle replica parks at once
+                if cycle > 0:  # it parks when its current look ends
+                    r.busy = True
+                    ends = r.idle_since + math.ceil(max(self.now - r.idle_since, 1e-12) / cycle) * cycle
+                    self._at(ends, self._replica_next, r)
+                else:
+                    self._replica_next(r)
         self._maybe_start_chain()
         if self.lay.overlap and not initial:
             self.blocked.append((start, self.now))
@@ -361,7 +386,7 @@ class Simulation:
         for r in self.replicas:
             for a, b, kind, live in r.calls:
                 o = overlap(a, b)
-                busy += o
+                busy += o if kind in ("decode", "prefill") else 0.0
                 if kind == "decode":
                     decode_t += o
                     slot += o * live
