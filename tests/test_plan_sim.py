@@ -102,3 +102,20 @@ def test_bad_layout_names_the_field():
         _layout(max_lag=-1)
     with pytest.raises(ValueError, match="zero_variance_share"):
         _layout(zero_variance_share=1.0)
+
+
+@pytest.mark.parametrize("field", ["queue_hop_s", "decode_call_host_s", "idle_poll_s"])
+def test_host_side_costs_lengthen_an_on_policy_step_in_proportion(field):
+    """Queue round trips, host work per decode call and an idle replica's poll all sit on the critical path of an
+    on-policy step (nothing overlaps it): each lengthens the step, more for a larger cost. Host work is paid once
+    per decode call, so twice as much lengthens the step exactly twice as much; queue calls also change what the
+    replica finds on the queue (prompts arrive one by one, so it prefills them in two calls), and a sync waits for
+    the end of the poll cycle under way, so those two only grow."""
+    import dataclasses
+
+    base = simulate(T, FLAT, _layout()).step_s
+    d1 = simulate(dataclasses.replace(T, **{field: 0.002}), FLAT, _layout()).step_s - base
+    d2 = simulate(dataclasses.replace(T, **{field: 0.004}), FLAT, _layout()).step_s - base
+    assert 0 < d1 < d2
+    if field == "decode_call_host_s":
+        assert d2 == pytest.approx(2 * d1, rel=1e-6)

@@ -85,6 +85,7 @@ class EngineStats:
     decode_time: float = 0.0  # seconds of decode loops, dispatch to device completion
     prefill_time: float = 0.0  # seconds of prefills, dispatch to device completion
     prefill_calls: int = 0
+    engine_time: float = 0.0  # wall seconds inside generate / advance: the device calls and the host work between
     extend_time: float = 0.0  # seconds of extends (multi-turn continuations)
     env_steps: int = 0
     env_time: float = 0.0  # seconds environments spent in their steps (on worker threads)
@@ -217,6 +218,7 @@ class Engine(EpisodeDriver, DecodePrograms):
                 on_group(r)
 
         self._emit = emit
+        t0 = time.perf_counter()
         if self._state is None:
             self._state = self._new_state()
             if self.Q:
@@ -236,6 +238,7 @@ class Engine(EpisodeDriver, DecodePrograms):
         if drain:
             while self.busy:
                 self._advance()
+        self.stats.engine_time += time.perf_counter() - t0
         return done
 
     @property
@@ -253,7 +256,9 @@ class Engine(EpisodeDriver, DecodePrograms):
         or wait a moment for an environment. Keeps rows moving when the prompt queue is empty."""
         done: list[Rollout] = []
         self._emit = lambda r: (done.append(r), on_group(r) if on_group else None)
+        t0 = time.perf_counter()
         self._advance()
+        self.stats.engine_time += time.perf_counter() - t0
         return done
 
     def _advance(self) -> None:

@@ -256,7 +256,8 @@ class InferenceWorker:
                              "slot_steps": float(s.slot_steps), "prefill_s": s.prefill_time,
                              "prefill_calls": float(s.prefill_calls), "extend_s": s.extend_time,
                              "generated_tokens": float(s.generated_tokens), "queue_rpc_s": RPC["seconds"],
-                             "queue_rpc_calls": RPC["calls"]})
+                             "queue_rpc_calls": RPC["calls"], "engine_s": s.engine_time,
+                             "decode_calls": float(s.calls)})
         try:
             self.q["inference_metrics"].put(m, timeout=1.0)
         except TimeoutError:

@@ -1,1 +1,2 @@
-"""`launch.py plan`: a discrete-event model of the async pipeline (`sim.py`) and what feeds it (`inputs.py`)."""
+"""`launch.py plan`: a discrete-event model of the async pipeline (`sim.py`), what feeds it (`inputs.py`, a run's
+logs through `from_run.py`) and what it reports (`result.py`)."""

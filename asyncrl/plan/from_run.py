@@ -107,7 +107,7 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
     for rep in reports:
         by_replica.setdefault(rep["host"], []).append(rep)
     occ_pts, step_pts, busy, span, slot, steps_sum, pre_s, pre_n = [], [], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    rpc_s = rpc_n = 0.0
+    rpc_s = rpc_n = host_s = calls = 0.0
     B = cfg.inference.max_decode_batch_size
     for reps in by_replica.values():
         reps = sorted(reps, key=lambda r: r["t"])
@@ -118,6 +118,10 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
             ds = b["decode_steps"] - a["decode_steps"]
             rpc_s += b.get("queue_rpc_s", 0.0) - a.get("queue_rpc_s", 0.0)
             rpc_n += b.get("queue_rpc_calls", 0.0) - a.get("queue_rpc_calls", 0.0)
+            if "engine_s" in b:  # the engine's wall time less its device calls: host work per decode call
+                device = sum(b.get(k, 0.0) - a.get(k, 0.0) for k in ("decode_time_s", "prefill_s", "extend_s"))
+                host_s += max(b["engine_s"] - a["engine_s"] - device, 0.0)
+                calls += b["decode_calls"] - a["decode_calls"]
             if ds > 0:
                 occ_pts.append((b["slot_steps"] - a["slot_steps"]) / ds)
                 step_pts.append((b["decode_time_s"] - a["decode_time_s"]) / ds)
@@ -166,7 +170,7 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
         seed=cfg.run.seed, skip_steps=skip_steps)
     times = ProgramTimes(decode_step=decode, prefill=prefill, train_step=train, sync_cast_s=cast,
                          sync_transfer_s=pause, queue_hop_s=rpc_s / rpc_n if rpc_n else 0.0,
-                         idle_poll_s=IDLE_POLL_S)
+                         idle_poll_s=IDLE_POLL_S, decode_call_host_s=host_s / calls if calls else 0.0)
     total = sum(r["step_time_s"] for r in steady)
     measured = Measured(
         steps=len(rows), step_s=total / len(steady),

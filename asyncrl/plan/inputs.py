@@ -60,6 +60,9 @@ class ProgramTimes:
     waits for it too without overlap (and with overlap, before the next sync)."""
     verifier_s: float = 0.0
     """Per sample, off the decode thread: delays its group, costs no decode time."""
+    decode_call_host_s: float = 0.0
+    """Host work around each decode call on the replica's thread (taking out a finished row, its verifier's
+    answer, emitting the group): the engine's wall time less its device calls, per call."""
     idle_poll_s: float = 0.0
     """An idle replica blocks this long on the prompt queue per look (`InferenceWorker._next_requests`: 50 ms): a
     prompt ends the wait at once, but a sync is only seen when it runs out."""

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from asyncrl.plan.inputs import Layout, Lengths, ProgramTimes
+from asyncrl.plan.result import Result
 
 
 @dataclass
@@ -71,32 +72,6 @@ class _Replica:
     idle_since: float = 0.0
     # (start, end, kind, live rows) of every call: integrated over the steady window afterwards
     calls: list = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Result:
-    steps: int
-    step_s: float
-    """Mean wall time per step over the steady state."""
-    step_s_all: list
-    trainer_busy: float
-    """Share of the steady wall time the trainer spends in train steps."""
-    sync_blocked_s: float
-    """Per step: time the trainer waits on weight syncs (casts, and chains it has to wait for)."""
-    inference_busy: float
-    """Share of the steady wall time the replicas spend in decode and prefill calls."""
-    decode_occupancy: float
-    """Live rows / decode batch, averaged over decode time."""
-    slot_busy_time: float
-    """Live rows x time / (decode batch x wall time x replicas): the slots' share of the wall time holding a row."""
-    dropped_lag: int
-    dropped_zero_variance: int
-    generated_tokens_per_s_per_chip: float
-    trained_tokens_per_s_per_chip: float
-    lag_mean: float
-
-    def row(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "step_s_all"}
 
 
 class Simulation:
@@ -189,6 +164,9 @@ class Simulation:
             self._maybe_start_chain()
             return
         hop = self.t.queue_hop_s
+        while r.pending and len(r.rows) < self.lay.decode_batch:
+            r.rows.append(r.pending.popleft())
+        # The worker takes the next prompts as soon as the last ones' rows are all in the batch, before it decodes.
         if not r.pending and self.queue:
             n = min(self.lay.prefill_prompts, len(self.queue))
             prompts = [self.queue.popleft() for _ in range(n)]
@@ -204,13 +182,12 @@ class Simulation:
                     r.pending.append(_Row(pos, int(n_tok), int(n_tok), r.version))
             self._call(r, self.t.prefill(n * self.L.prompt), "prefill", 0)
             return
-        while r.pending and len(r.rows) < self.lay.decode_batch:
-            r.rows.append(r.pending.popleft())
         if not r.rows:
             r.idle_since = self.now
             return  # idle until prompts are released or a sync ends
         if not r.pending:  # no rows waiting: the loop looks at both prompt queues before each decode call
             self._phase(r, 2 * hop, "queue", 0)
+        self._phase(r, self.t.decode_call_host_s, "host", 0)
         k = min(min(x.remaining for x in r.rows), self.lay.decode_chunk_steps)
         n = len(r.rows)
         dt = k * self.t.decode_step(n)
