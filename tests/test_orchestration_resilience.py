@@ -47,6 +47,9 @@ def test_resume_equals_uninterrupted(tmp_path):
 
     resumed = str(tmp_path / "resumed")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    # The inference host sleeps 100 ms per decode chunk, so the SIGINT lands mid-run however fast the steps are
+    # (at max_lag 0 the values do not depend on timing).
+    env["ASYNCRL_FAULTS"] = "slow@decode:1:100"
     proc = subprocess.Popen([sys.executable, "launch.py", f"run.run_dir={resumed}", "logging.ray_metrics=false", *RESUME],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     _wait_for_step(resumed, 4, proc)
