@@ -9,7 +9,7 @@ compute bound on a CPU), a prefill call of T prompt tokens `a + b T`, a train st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -123,7 +123,6 @@ class Layout:
     seed: int = 0
     skip_steps: int = 3
     """Steady-state figures leave out the first steps (the pipeline filling)."""
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "replicas", "decode_batch", "steps", "prefill_prompts",
