@@ -21,18 +21,13 @@ from typing import Any
 import ray
 
 from asyncrl.orchestration import evals, jsonl, logs, rollout_log
-from asyncrl.orchestration.host import HostActor, HostResult, role_of
+from asyncrl.orchestration.failures import HostFailure, failure_of, report_late_failures, root_cause
+from asyncrl.orchestration.host import HostActor, role_of
 from asyncrl.orchestration.metrics import MetricsSink
 from asyncrl.orchestration.progress import Progress
 from asyncrl.orchestration.queues import make_queues
 
 log = logging.getLogger("asyncrl.driver")
-
-
-class HostFailure(RuntimeError):
-    def __init__(self, rank: int, role: str, detail: str, traceback: str = ""):
-        super().__init__(f"host {rank} ({role}) failed: {detail}")
-        self.rank, self.role, self.traceback = rank, role, traceback
 
 
 class RunStalled(RuntimeError):
@@ -235,20 +230,14 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink, bind_ip: str | None) -> 
             ready, _ = ray.wait(list(refs), timeout=0.5)
             for ref in ready:
                 rank = refs.pop(ref)
-                role = role_of(rank, tw)
                 for row in queues["driver"].drain():  # rows published before a failure are kept
                     sink.write(row)
-                try:
-                    res: HostResult = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    raise HostFailure(rank, role, f"actor died ({type(e).__name__}); pid {info[rank]['pid']} "
-                                                  f"on {info[rank]['host']}") from None
-                if not res.ok:
-                    raise HostFailure(rank, role, res.error.strip().splitlines()[0] if res.error else "unknown error",
-                                      res.error)
+                failure = failure_of(ref, rank, info, tw)
+                if failure is not None:
+                    raise root_cause(failure, refs, info, tw)
                 if rank == 0:  # its rows were drained just above, after it had returned
-                    _report_late_failures(refs, info, tw)
-                    return res.info
+                    report_late_failures(refs, info, tw)
+                    return ray.get(ref).info
     finally:
         _teardown(actors, queues, pg, info, sink)
 
@@ -272,27 +261,11 @@ def _startup(refs: list[Any], tw: int, what: str, timeout_s: float) -> list[Any]
         try:
             out[rank] = ray.get(ready[0])
         except ray.exceptions.RayActorError as e:
-            raise HostFailure(rank, role_of(rank, tw), f"died during {what} ({type(e).__name__})") from None
+            raise HostFailure(rank, role_of(rank, tw), f"died during {what} ({type(e).__name__})", died=True) from None
         except ray.exceptions.RayTaskError as e:
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise HostFailure(rank, role_of(rank, tw), f"failed in {what}: {first}", str(e)) from None
     return [out[i] for i in range(len(refs))]
-
-
-def _report_late_failures(refs: dict[Any, int], info: list[dict[str, Any]], tw: int) -> None:
-    """The trainer finished: a host that died meanwhile did not stop the run, but it is said, not swallowed."""
-    if not refs:
-        return
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-    for ref in ready:
-        rank = refs[ref]
-        try:
-            res = ray.get(ref)
-            err = None if res.ok else (res.error.strip().splitlines()[0] if res.error else "unknown error")
-        except ray.exceptions.RayActorError as e:
-            err = f"actor died ({type(e).__name__}); pid {info[rank]['pid']} on {info[rank]['host']}"
-        if err:
-            log.warning("host %d (%s) failed after the trainer's last step needed it: %s", rank, role_of(rank, tw), err)
 
 
 def _dump_stacks(actors: list[Any], info: list[dict[str, Any]], run_dir: str) -> None:
