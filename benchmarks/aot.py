@@ -31,6 +31,8 @@ CASES = {
     "qwen3-8b": ("v5p64_qwen3_8b", [], None),
     "llama3.1-8b": ("v5p64_llama3.1_8b", [], None),
     "v6e8-qwen3-1.7b": ("v6e8_qwen3_1.7b", [], None),
+    # Its train step with the matmul outputs saved (the preset's remat policy before it became 'full').
+    "v6e8-qwen3-1.7b-dots": ("v6e8_qwen3_1.7b", ["train.remat_policy=dots"], "train_step"),
     # Decode with tensor parallelism: Qwen3-8B, tp=4, 44 rows.
     "qwen3-8b-decode-tp4": ("v5p64_qwen3_8b", ["inference.tp=4", "inference.max_decode_batch_size=44"], "decode"),
     # Weak scaling: the same per-chip work (4 sequences of 4096, grad-accum 4) on 32 trainer chips of a v5p-128.

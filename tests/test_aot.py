@@ -124,15 +124,16 @@ def _aot(*args, timeout=900):
 def tiny_train_step_matmul_flops(cfg) -> float:
     """Hand count of the tiny preset's train step, all chips: every projection forward and backward (2 + 4
     FLOPs per weight and token), attention over the whole padded length (QK and PV, forward and backward; the
-    mask does not skip work), and the fused LM head (forward, then a recomputed forward plus the two backward
-    matmuls). No remat in this preset."""
+    mask does not skip work), and the fused LM head: its forward and the backward's recomputation of it are the
+    same matmul on the same inputs, which XLA computes once, then the two backward matmuls; all three f32 at
+    Precision.HIGH, 3 bf16 MXU passes each (ops/logprobs.py). No remat in this preset."""
     m = Model(preset(cfg.model.preset)).cfg
     B = cfg.train.train_batch_size
     T = cfg.inference.max_seq_len
     d, h, k, dh, f, v = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.vocab_size
     proj = d * (h + 2 * k) * dh + h * dh * d + 3 * d * f
     attn = 2 * 2 * T * h * dh  # per token: QK^T and PV, 2 FLOPs per multiply-add
-    per_token = m.num_layers * 3 * (2 * proj + attn) + 4 * 2 * d * v
+    per_token = m.num_layers * 3 * (2 * proj + attn) + 3 * 3 * 2 * d * v
     return float(B * T * per_token)
 
 

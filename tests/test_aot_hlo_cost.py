@@ -244,6 +244,22 @@ def test_scanned_layers_cost_the_same_as_unrolled(mesh) -> None:
     assert scan_c.cost_analysis()["flops"] < scan.flops / (layers - 1)
 
 
+def test_f32_dots_count_their_mxu_passes(mesh) -> None:
+    """TPU runs an f32 dot as bf16 passes: 1 at DEFAULT, 3 at HIGH (bf16_3x), 6 at HIGHEST. XLA counts one; the
+    roofline must charge what the MXU runs. A bf16 dot is one pass whatever its precision."""
+    import jax
+    import jax.numpy as jnp
+
+    m, k, n = 256, 512, 1024
+    for dtype, precision, passes in ((jnp.float32, "default", 1), (jnp.float32, "high", 3),
+                                     (jnp.float32, "highest", 6), (jnp.bfloat16, "highest", 1)):
+        compiled = _compile(mesh, lambda a, b: jnp.dot(a, b, precision=precision), ((m, k), dtype, None),
+                            ((k, n), dtype, None))
+        cost = analyze(compiled)
+        assert cost.matmul_flops == passes * 2 * m * k * n, (dtype, precision)
+        assert compiled.cost_analysis()["flops"] == 2 * m * k * n
+
+
 def test_loop_free_program_matches_xla_and_the_hand_count(mesh) -> None:
     import jax.numpy as jnp
 
@@ -335,18 +351,58 @@ def test_collectives_in_a_loop_are_weighted(mesh) -> None:
     assert cost.collective_bytes == {"reduce-scatter": layers * 128 * 256 * 4}
 
 
-def test_pallas_kernel_declares_its_cost(mesh) -> None:
+def test_causal_blocks_is_the_share_of_tiles_on_or_below_the_diagonal() -> None:
+    from asyncrl.aot.hlo_cost import _causal_blocks
+
+    assert _causal_blocks(1024, 1024, 512, 512) == 3 / 4  # tiles (0,0), (1,0), (1,1) of 2 x 2
+    assert _causal_blocks(1024, 1024, 128, 128) == 36 / 64  # 1 + 2 + ... + 8 of 8 x 8
+    assert _causal_blocks(1024, 1024, 256, 512) == (1 + 1 + 2 + 2) / 8  # q tiles end at 256, 512 | 768, 1024
+
+
+def _flash(mesh, grad: bool):
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
     from jax.sharding import PartitionSpec as P
 
+    from asyncrl.models.flash import _blocks
+
     spec = P("x", None, None, None)
-    attention = jax.shard_map(lambda q, k, v: flash_attention(q, k, v, causal=True), mesh=mesh,
-                              in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    attention = jax.shard_map(lambda q, k, v: flash_attention(q, k, v, causal=True, block_sizes=_blocks(1024)),
+                              mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    loss = lambda q, k, v: attention(q, k, v).astype(jnp.float32).sum()  # noqa: E731
     qkv = ((4, 8, 1024, 128), jnp.bfloat16, spec)  # [B, H, T, D], one sequence per chip
-    compiled = _compile(mesh, attention, qkv, qkv, qkv)
-    cost, xla = analyze(compiled), compiled.cost_analysis()
-    assert "tpu_custom_call" in compiled.as_text()
-    assert (cost.flops, cost.transcendentals) == (xla["flops"], xla["transcendentals"])
-    assert cost.matmul_flops == 0 and cost.hbm_bytes == 4 * 8 * 1024 * 128 * 2  # q, k, v and out of one chip
+    return _compile(mesh, jax.grad(loss, argnums=(0, 1, 2)) if grad else attention, qkv, qkv, qkv)
+
+
+def test_flash_kernels_are_counted_causal_by_hand_not_by_their_declared_cost(mesh) -> None:
+    """JAX's forward kernel declares full non-causal attention and its backward kernels nothing; the count here is
+    the matmuls of the score tiles each kernel runs: of the 2 x 2 tiles of 512 (models/flash.py's tiles for
+    T = 1024), 3 run; 2 matmuls forward, 4 in the dK/dV kernel and 3 in the dQ kernel (each recomputes the scores)."""
+    tile_matmul = 2 * 8 * 1024 * 1024 * 128 * 3 / 4  # one chip: B 1, H 8, T = S 1024, D 128, 3 of 4 tiles
+    fwd = _flash(mesh, grad=False)
+    cost, xla = analyze(fwd), fwd.cost_analysis()
+    assert "tpu_custom_call" in fwd.as_text()
+    assert xla["flops"] > 4 * 8 * 1024 * 1024 * 128  # what the kernel declares: every tile, both matmuls
+    assert cost.matmul_flops == cost.flops == 2 * tile_matmul
+    assert cost.transcendentals == 8 * 1024 * 1024 * 3 / 4
+    assert cost.hbm_bytes == 4 * 8 * 1024 * 128 * 2  # q, k, v and out of one chip
+    bwd = analyze(_flash(mesh, grad=True))
+    assert bwd.matmul_flops == (2 + 4 + 3) * tile_matmul
+
+
+def test_an_all_gather_returned_by_a_program_is_copied_to_its_output(mesh) -> None:
+    """Why the weight-sync cast (cast, then gathered whole onto the hop chain's first slot) sits near 2.8x its
+    ideal: XLA's TPU all-gather writes its own buffer, and a gathered array the program returns is copied from
+    there into the output, so the whole gathered tree is written twice and read once more. Shown on the bare
+    gather (a bf16 array sharded 4 ways, returned replicated): the shard read, the gather's write, the copy."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    shape = (28, 2048, 6144)
+    full = 28 * 2048 * 6144 * 2
+    for spec in (P(None, "x", None), P("x", None, None)):  # a non-major or the major dimension sharded: the same
+        compiled = _compile(mesh, lambda p: p, (shape, jnp.bfloat16, spec), out_spec=P())
+        text = compiled.as_text()
+        assert "all-gather" in text and " copy(" in text
+        assert analyze(compiled).hbm_bytes == full / 4 + full + 2 * full

@@ -61,3 +61,44 @@ def test_flash_matches_reference_on_ragged_rows(sharded):
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5, rtol=1e-5)
     for g, w in zip(got_g, want_g):
         np.testing.assert_allclose(np.asarray(g)[valid], np.asarray(w)[valid], atol=2e-5, rtol=1e-5)
+
+
+def test_a_prefill_through_flash_writes_the_cache_the_reference_writes():
+    """`inference.prefill_attention` (flash on TPU): a prefill attends over its own prompt tokens only, so the
+    kernel's causal, length-masked attention must leave every real position's K/V, and the hidden state of each
+    row's last real token, as the reference does. Ragged rows in one 256-token bucket."""
+    import dataclasses
+
+    from asyncrl.models import Model, kvcache, preset
+
+    cfg = dataclasses.replace(preset("tiny"), head_dim=128)  # the kernel's lane width
+    model = Model(cfg)
+    params = model.init_params(jax.random.PRNGKey(0), jnp.float32)
+    lens = jnp.asarray([256, 131, 7], jnp.int32)
+    x = jnp.asarray(np.random.default_rng(1).integers(1, cfg.vocab_size, (3, 256)), jnp.int32)
+    kv = kvcache.zeros(cfg, 3, 512, jnp.float32)
+    want_h, want_kv = jax.jit(model.prefill)(params, x, lens, kv)
+    assert not model.flash
+    with pltpu.force_tpu_interpret_mode():
+        got_h, got_kv = jax.jit(model.with_flash(True).prefill)(params, x, lens, kv)
+    valid = np.arange(512)[None, :] < np.asarray(lens)[:, None]  # [B, S]
+    for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):  # [L, B, K, S, Dh]
+        g, w = np.moveaxis(np.asarray(got), 3, 2), np.moveaxis(np.asarray(want), 3, 2)  # [L, B, S, K, Dh]
+        np.testing.assert_allclose(g[:, valid], w[:, valid], atol=2e-5, rtol=1e-5)
+        assert np.abs(w[:, valid]).max() > 0.1  # something was written
+    last = np.asarray(lens) - 1
+    np.testing.assert_allclose(np.asarray(got_h)[np.arange(3), last], np.asarray(want_h)[np.arange(3), last],
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_prefill_attention_is_flash_on_tpu_only_unless_forced():
+    from asyncrl.inference.config import InferenceConfig
+    from asyncrl.inference.programs import DecodePrograms
+    from asyncrl.models import Model, preset
+    from asyncrl.validate import ConfigError
+
+    model = Model(preset("tiny"))
+    assert not DecodePrograms(model, InferenceConfig(), None, eos_id=1).model.flash  # auto on the CPU: reference
+    assert DecodePrograms(model, InferenceConfig(prefill_attention="flash"), None, eos_id=1).model.flash
+    with pytest.raises(ConfigError, match="inference.prefill_attention"):
+        InferenceConfig(prefill_attention="dense")

@@ -42,6 +42,10 @@ class InferenceConfig:
     """Dtype of the weights the trainer sends to inference."""
     kv_cache_dtype: str = "bfloat16"
     """Dtype of the KV cache."""
+    prefill_attention: str = "auto"
+    """Attention of a prefill over its own prompt tokens: 'auto' uses the Pallas flash kernel (models/flash.py) on
+    TPU, where a 4096-token bucket's dense scores would otherwise go through HBM (measured by `launch.py aot`: the
+    v6e prefill[4096] at 11x its ideal), the reference attention elsewhere; 'flash' or 'reference' force one."""
     max_turns: int = 1
     """Model turns per episode. 1: a single-turn task (one decode, graded once), compiled exactly as it always was.
     More: after each turn the task's environment answers with an observation, appended to the row's KV cache, and
@@ -81,6 +85,7 @@ class InferenceConfig:
         check_choice("inference.replica_mode", self.replica_mode, ("threads", "spmd"))
         check_choice("inference.params_dtype", self.params_dtype, ("float32", "bfloat16", "float16"))
         check_choice("inference.kv_cache_dtype", self.kv_cache_dtype, ("float32", "bfloat16", "float16"))
+        check_choice("inference.prefill_attention", self.prefill_attention, ("auto", "reference", "flash"))
         check("inference.max_turns", self.max_turns, self.max_turns >= 1, ">= 1")
         if self.max_observation_tokens is not None:
             check("inference.max_observation_tokens", self.max_observation_tokens, self.max_observation_tokens >= 1,

@@ -55,9 +55,7 @@ class DecodePrograms(AbstractPrograms):
         self.Q = cfg.parked_rows
         self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype)
         self.stop = [tuple(int(t) for t in seq) for seq in stop if len(seq)]
-        self.phrase: list[int] | None = None
-        if cfg.reasoning_budget is not None:
-            self.phrase = self._think_phrase()
+        self.phrase: list[int] | None = self._think_phrase() if cfg.reasoning_budget is not None else None
         self._seed = seed
         self._substitute = substitute
         devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
@@ -65,6 +63,8 @@ class DecodePrograms(AbstractPrograms):
         """On the CPU a replica decodes with per-layer weights and a per-layer KV cache (tuples of arrays, one per
         layer, looped over in Python): XLA:CPU copies a layer's slice out of stacked arrays before every matmul
         that reads it. Other backends keep the stacked trees and the layer scan (TPU reads the slice in place)."""
+        flash = cfg.prefill_attention == "flash" or (cfg.prefill_attention == "auto" and devices[0].platform == "tpu")
+        self.model = model = model.with_flash(flash)  # the prefill's (cached attention never uses the kernel)
         # Pinned output shardings keep the donated state's layout fixed across calls (no silent relayouts).
         state_sh = self.state_shardings(self.B)
         self._decode = jax.jit(

@@ -69,7 +69,7 @@ class Model:
     remat_policy: str = "full"
     """With `remat`: 'full' keeps only the residual stream; 'dots' also keeps the matmul outputs."""
     flash: bool = False
-    """Cache-free (training) attention through the Pallas flash kernel (models/flash.py) where T fits its tiles."""
+    """Attention over the call's own tokens (training; a prefill) through the Pallas kernel (models/flash.py)."""
 
     # ---- caches ---------------------------------------------------------------------------------------------
 
@@ -259,8 +259,9 @@ class Model:
                     return mlp(h, layer), (ck, cv)
                 elif attend_cache:
                     o = cached_attention(q, k, v, kv_cache.k, kv_cache.v, index, start, sequence_lens, self.kv_block)
-                else:
-                    o = attention(q, k, v, own_pos, sequence_lens)
+                else:  # a prefill, causal over its own tokens (flash: no [T, T] scores in HBM)
+                    flash = self.flash and block_size(T) is not None
+                    o = flash_attention_train(q, k, v, sequence_lens) if flash else attention(q, k, v, own_pos, sequence_lens)
                 h = h + self._contract("bthk,hkd->btd", o, layer.wo, seq)
             h = mlp(h, layer)
             # This call's K/V as [B, K, T, Dh], the cache layout: written once, after the layer loop.
@@ -397,4 +398,3 @@ class Model:
 
     def with_flash(self, flash: bool) -> "Model":
         return dataclasses.replace(self, flash=flash)
-
