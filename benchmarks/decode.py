@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from asyncrl.inference.config import InferenceConfig  # noqa: E402
+from benchmarks.machine import describe, machine  # noqa: E402
 from asyncrl.inference.engine import Engine, Request  # noqa: E402
 from asyncrl.inference.replicas import ReplicaSet  # noqa: E402
 from asyncrl.models import Model, from_pretrained, preset, save_pretrained  # noqa: E402
@@ -512,6 +513,8 @@ def main() -> None:
     new_tokens = args.new_tokens or (32 if args.quick else 128)
     out_path = pathlib.Path(args.out) if args.out else RESULTS / ("decode_quick.json" if args.quick else "decode.json")
 
+    host = machine()  # the CPU model, vector extensions, XLA flags and load: beside every figure
+    log(f"machine: {describe(host)}")
     log("measuring copy bandwidth and matmul FLOP/s")
     BW.update(copy_bandwidth())
     BW["matmul_flops"] = matmul_flops()
@@ -563,6 +566,7 @@ def main() -> None:
     print(f"\nDecode, greedy, N new tokens, prompts of {PROMPT_LENS[0]}-{PROMPT_LENS[1] - 1} tokens "
           f"(best of up to {args.repeats} runs); bandwidth {BW['used_Bps'] / 1e9:.1f} GB/s (numpy copy, R+W), "
           f"matmul {BW['matmul_flops'] / 1e9:.0f} GFLOP/s (numpy fp32)")
+    print(f"machine: {describe(host)}; copy {BW['used_Bps'] / 1e9:.1f} GB/s, matmul {BW['matmul_flops'] / 1e9:.0f} GFLOP/s")
     print(table(rows))
     print(f"\nSlot utilization ({util['sequences']} sequences, {util['batch_slots']} slots, completion length mean "
           f"{util['length_stats']['mean']:.0f}, p90 {util['length_stats']['p90']:.0f}, max {util['length_stats']['max']}):"
@@ -594,7 +598,8 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     setup = {"models": models, "batches": args.batches, "dtypes": args.dtypes, "new_tokens": new_tokens,
              "repeats": args.repeats, "quick": args.quick, "prompt_lens": list(PROMPT_LENS),
-             "jax": jax.__version__, "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
+             "jax": jax.__version__, "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "host": host,
+             "xla_flags": os.environ.get("XLA_FLAGS", "")}
     result = {"setup": setup, "machine": BW, "results": rows, "slot_utilization": util, "profile": prof, "spmd": spmd}
     out_path.write_text(json.dumps(result, indent=2, default=float) + "\n")
     log(f"wrote {out_path}")

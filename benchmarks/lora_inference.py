@@ -26,8 +26,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
-import subprocess
 import sys
 import time
 
@@ -39,6 +37,7 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.models import Model, from_pretrained, lora, preset
 from asyncrl.rollout import Prompt
+from benchmarks.machine import machine
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -46,14 +45,6 @@ RESULTS = HERE / "results"
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def machine() -> dict:
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), platform.processor())
-    flags = next((l.split(":", 1)[1].split() for l in cpu.splitlines() if l.startswith("Flags")), [])
-    return {"cpu": name, "cores": os.cpu_count(), "avx512": any(f.startswith("avx512") for f in flags),
-            "load_avg_1m_at_start": os.getloadavg()[0]}
 
 
 def load(name: str):
@@ -184,7 +175,7 @@ def main() -> None:
 
     print(f"\nLoRA at inference, {args.model} fp32, batch {args.batch}, {args.new_tokens} new tokens, rank {args.rank} "
           f"on every projection; {info['cpu']} ({info['cores']} cores, AVX-512 {info['avx512']}), load "
-          f"{info['load_avg_1m_at_start']:.2f} at start, {result['load_avg_1m_at_end']:.2f} at end")
+          f"{info['load_1m_at_start']:.2f} at start, {result['load_avg_1m_at_end']:.2f} at end")
     print(f"{'inference':<10} {'decode tok/s':>13} {'per sync s':>11} {'(merge s)':>10} {'(re-layout s)':>14}")
     for name, r in cpu.items():
         print(f"{name:<10} {r['decode_tok_s']:>13.1f} {r['sync_s']:>11.3f} {r['merge_s']:>10.3f} {r['relayout_s']:>14.3f}")

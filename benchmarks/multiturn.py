@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 from typing import Callable
@@ -32,6 +31,7 @@ from asyncrl.inference.config import InferenceConfig  # noqa: E402
 from asyncrl.inference.engine import Engine, Request  # noqa: E402
 from asyncrl.models import Model, preset  # noqa: E402
 from asyncrl.rollout import Prompt, StepResult  # noqa: E402
+from benchmarks.machine import machine as host_machine  # noqa: E402
 
 
 class SleepyEnv:
@@ -149,16 +149,8 @@ def main() -> int:
             "single_turn": run(single, requests(False), args.seconds, args.warm_s)}
     ratio = rows["multi_turn"]["steady_tokens_per_s"] / rows["single_turn"]["steady_tokens_per_s"]
     ratio_all = rows["multi_turn"]["tokens_per_s"] / rows["single_turn"]["tokens_per_s"]
-    machine = {"cpu": platform.processor() or platform.machine(), "load": os.getloadavg()[0],
-               "xla_flags": os.environ.get("XLA_FLAGS", ""), "devices": str(jax.devices()[0])}
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        machine["cpu"] = next(ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name"))
-        flags = next(ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags"))
-        machine["vector"] = " ".join(f for f in flags if f.startswith(("avx", "fma", "amx")))
-    except (OSError, StopIteration):
-        pass
+    machine = host_machine()
+    machine["devices"] = str(jax.devices()[0])
     print(f"{'':13}{'steady s':>9}{'tok/s':>8}{'busy(steps)':>12}{'busy(time)':>11}{'decode':>8}{'extend':>8}"
           f"{'prefill':>8}{'re-prefill':>11} |{'wall s':>8}{'episodes':>9}{'tokens':>8}{'tok/s':>8}{'turns':>6}")
     for name, r in rows.items():

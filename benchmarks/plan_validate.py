@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from asyncrl.cli.plan import predicted_row  # noqa: E402
 from asyncrl.plan.from_run import read_run  # noqa: E402
 from asyncrl.plan.sim import simulate  # noqa: E402
+from benchmarks.machine import describe, machine  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = {
@@ -36,19 +36,6 @@ CASES = {
 KEYS = ("step_s", "trainer_busy", "inference_busy", "decode_occupancy", "dropped_lag_per_step")
 
 
-def machine() -> dict:
-    info = {"cpu": platform.processor() or platform.machine(), "load_1m": os.getloadavg()[0], "cores": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name"))
-        flags = next(ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags"))
-        info["vector"] = " ".join(f for f in flags if f.startswith(("avx512f", "avx2", "amx")))
-    except (OSError, StopIteration):
-        pass
-    return info
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
@@ -58,7 +45,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "plan_validate.json"))
     args = ap.parse_args()
     info = machine()
-    print(f"machine: {info}")
+    print(f"machine: {describe(info)}")
     out = {"machine": info, "steps": args.steps, "cases": {}}
     for name in args.only:
         run_dir = os.path.join(args.runs_dir, name)

@@ -32,7 +32,7 @@ DIRECT = {
                       "rollout"},
     "aot": {"inference", "train", "models", "sharding"},
     "config": {"inference", "orchestration", "tasks", "tools", "train", "weightsync", "validate"},  # the run's config
-    "plan": {"config"},  # the pipeline model; reads a run's config to replay it
+    "plan": {"config", "aot"},  # the pipeline model: a run's config, and at target scale the compiled programs' costs
     "cli": {"config", "orchestration", "aot", "plan", "inference", "tasks", "models", "rollout", "validate"},
     "generate": {"cli"},  # `python -m asyncrl.generate`, kept
     "evaluate": {"cli"},

@@ -45,6 +45,9 @@ class ChipSpec:
     """Chips one host (one JAX process) drives in a single-host slice."""
     pod_chips_per_host: int | None = None
     """Chips per host once a slice spans several hosts, where that differs."""
+    link_bandwidth: float = 100e9
+    """Bytes/s one way over one chip-to-chip link (ICI, NVLink): what one weight-sync hop into a chip gets
+    (`plan/target.py`). v5p: 4800 Gbps over 6 links; v6e: 3584 Gbps over 4; v5e: 1600 Gbps over 4."""
 
     def chips_per_host_for(self, chips: int) -> int:
         if chips < self.chips_per_host:  # a sub-host slice (v6e-4, 4 of 8 GPUs) is still one host
@@ -55,12 +58,12 @@ class ChipSpec:
 
 
 CHIPS: dict[str, ChipSpec] = {
-    "v5p": ChipSpec(459e12, 2765e9, 95e9, 4),
+    "v5p": ChipSpec(459e12, 2765e9, 95e9, 4, link_bandwidth=100e9),
     # v6e-8 is one VM with 8 chips, but GCP (and Ray's TPU code) lay out v6e-16 and up as 4 chips per host.
-    "v6e": ChipSpec(918e12, 1640e9, 32e9, 8, pod_chips_per_host=4),
-    "v5e": ChipSpec(197e12, 819e9, 16e9, 8, pod_chips_per_host=4),
-    "h100": ChipSpec(989e12, 3.35e12, 80e9, 8),
-    "h200": ChipSpec(989e12, 4.8e12, 141e9, 8),
+    "v6e": ChipSpec(918e12, 1640e9, 32e9, 8, pod_chips_per_host=4, link_bandwidth=112e9),
+    "v5e": ChipSpec(197e12, 819e9, 16e9, 8, pod_chips_per_host=4, link_bandwidth=50e9),
+    "h100": ChipSpec(989e12, 3.35e12, 80e9, 8, link_bandwidth=450e9),
+    "h200": ChipSpec(989e12, 4.8e12, 141e9, 8, link_bandwidth=450e9),
 }
 
 
