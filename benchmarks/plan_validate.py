@@ -46,7 +46,14 @@ def main() -> int:
     args = ap.parse_args()
     info = machine()
     print(f"machine: {describe(info)}")
-    out = {"machine": info, "steps": args.steps, "cases": {}}
+    out = {"machine": info, "steps": args.steps, "cases": {}, "reused_runs": args.reuse}
+    if args.reuse:  # the runs were measured when they ran: keep that record; `machine` is this replay's
+        try:
+            with open(args.out) as f:
+                prev = json.load(f)
+            out["runs_machine"] = prev.get("runs_machine", prev["machine"])
+        except (OSError, json.JSONDecodeError, KeyError):
+            out["runs_machine"] = None
     for name in args.only:
         run_dir = os.path.join(args.runs_dir, name)
         if not args.reuse:

@@ -25,7 +25,7 @@ def _write(path, records):
             f.write(json.dumps(r) + "\n")
 
 
-def _synthetic_run(tmp_path, decode=(0.004, 0.0005), train=(0.05, 2e-5), steps=20):
+def _synthetic_run(tmp_path, decode=(0.004, 0.0005), train=(0.05, 2e-5), steps=20, call_s=0.0015):
     cfg = load_config("default", ["async.max_lag=1"])
     run = tmp_path / "run"
     run.mkdir()
@@ -42,13 +42,15 @@ def _synthetic_run(tmp_path, decode=(0.004, 0.0005), train=(0.05, 2e-5), steps=2
                      "weight_sync_prepare_s": 0.004, "inference/weight_sync_sync_s": 0.05,
                      "inference/weight_sync_park_s": 0.02, "rollout/filtered_lag": float(s % 2)})
     _write(run / "metrics.jsonl", rows)
-    reps, c = [], dict(decode_time_s=0.0, decode_steps=0.0, slot_steps=0.0, prefill_s=0.0, prefill_calls=0.0)
-    for i in range(40):  # a report every 0.5 s, occupancy varying from window to window
+    reps, c = [], dict(decode_time_s=0.0, decode_steps=0.0, slot_steps=0.0, prefill_s=0.0, prefill_calls=0.0,
+                       decode_calls=0.0)
+    for i in range(40):  # a report every 0.5 s, occupancy and calls varying from window to window
         n = float(8 + (i * 7) % 25)
-        steps_w = 20.0
-        c = {**c, "decode_time_s": c["decode_time_s"] + steps_w * (decode[0] + decode[1] * n),
+        steps_w, calls_w = 20.0, float(30 + (i * 11) % 40)
+        c = {**c, "decode_time_s": c["decode_time_s"] + steps_w * (decode[0] + decode[1] * n) + calls_w * call_s,
              "decode_steps": c["decode_steps"] + steps_w, "slot_steps": c["slot_steps"] + steps_w * n,
-             "prefill_s": c["prefill_s"] + 0.02, "prefill_calls": c["prefill_calls"] + 2}
+             "prefill_s": c["prefill_s"] + 0.02, "prefill_calls": c["prefill_calls"] + 2,
+             "decode_calls": c["decode_calls"] + calls_w}
         reps.append({"host": "inference1/r0", "t": 1000.0 + 0.5 * i, **c})
     _write(run / "inference.jsonl", reps)
     _write(run / "rollouts.jsonl", [{"step": 1, "prompt_tokens": 12,
@@ -61,6 +63,7 @@ def test_the_fits_recover_the_costs_a_synthetic_run_was_made_with(tmp_path):
     rep = read_run(str(run), skip_steps=3)
     assert rep.times.decode_step.fixed == pytest.approx(0.004, rel=1e-6)
     assert rep.times.decode_step.per_unit == pytest.approx(0.0005, rel=1e-6)
+    assert rep.times.decode_call_s == pytest.approx(0.0015, rel=1e-6)  # most calls only take a row in
     assert rep.times.train_step.fixed == pytest.approx(0.05, rel=1e-6)
     assert rep.times.train_step.per_unit == pytest.approx(2e-5, rel=1e-6)
     assert rep.times.prefill.fixed == pytest.approx(0.01)

@@ -119,3 +119,16 @@ def test_host_side_costs_lengthen_an_on_policy_step_in_proportion(field):
     assert 0 < d1 < d2
     if field == "decode_call_host_s":
         assert d2 == pytest.approx(2 * d1, rel=1e-6)
+
+
+def test_rows_enter_one_per_decode_call_each_call_paying_its_fixed_cost():
+    """The engine substitutes one row per decode call, and a call with more rows waiting returns at once: the 8
+    rows of the on-policy step take 7 calls that only insert, then the decode call of the last (which also runs the
+    10 steps). Each of the 8 calls costs `decode_call_s` (4 ms) on top of the closed form above."""
+    import dataclasses
+
+    t = dataclasses.replace(T, decode_call_s=0.004)
+    r = simulate(t, FLAT, _layout())
+    want = 0.05 + 8 * 0.004 + 10 * (0.01 + 8 * 0.001) + 0.2 + 0.03 + 0.07
+    assert r.step_s == pytest.approx(want, rel=1e-9)
+    assert r.inference_busy == pytest.approx((0.05 + 8 * 0.004 + 0.18) / want, rel=1e-9)

@@ -76,6 +76,26 @@ def _median(rows: list[dict], key: str, default: float = 0.0) -> float:
     return float(np.median(vals)) if vals else default
 
 
+def _decode_costs(call_rows: list[tuple[float, float, float, float]], occ_pts: list[float],
+                  step_pts: list[float]) -> tuple[Affine, float]:
+    """The decode program's costs: a fixed part per call and a part per step of n rows. Most calls of a replica
+    that takes in rows one per call decode nothing (measured here: ~15 calls per decode step), so a per-step mean
+    would charge those calls to the steps. Fitted by non-negative least squares over the report windows
+    (seconds = calls x per call + steps x a + slot-steps x b); without call counts (runs before they were logged),
+    the per-step means against occupancy, with no per-call part."""
+    if len(call_rows) >= 4:
+        from scipy.optimize import nnls
+
+        X = np.asarray([r[:3] for r in call_rows], float)
+        y = np.asarray([r[3] for r in call_rows], float)
+        scale = X.max(axis=0)
+        scale[scale == 0] = 1.0
+        coef, _ = nnls(X / scale, y)
+        per_call, a, b = coef / scale
+        return Affine(float(a), float(b)), float(per_call)
+    return Affine.fit(occ_pts, step_pts), 0.0
+
+
 def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
     from asyncrl.config.loader import load_run_config
 
@@ -107,6 +127,7 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
     for rep in reports:
         by_replica.setdefault(rep["host"], []).append(rep)
     occ_pts, step_pts, busy, span, slot, steps_sum, pre_s, pre_n = [], [], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    call_rows: list[tuple[float, float, float, float]] = []  # per window: calls, steps, slot-steps, decode seconds
     rpc_s = rpc_n = host_s = calls = 0.0
     B = cfg.inference.max_decode_batch_size
     for reps in by_replica.values():
@@ -125,6 +146,9 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
             if ds > 0:
                 occ_pts.append((b["slot_steps"] - a["slot_steps"]) / ds)
                 step_pts.append((b["decode_time_s"] - a["decode_time_s"]) / ds)
+            if "decode_calls" in a and "decode_calls" in b and b["decode_calls"] > a["decode_calls"]:
+                call_rows.append((b["decode_calls"] - a["decode_calls"], ds, b["slot_steps"] - a["slot_steps"],
+                                  b["decode_time_s"] - a["decode_time_s"]))
             pre_s += b["prefill_s"] - a["prefill_s"]
             pre_n += b["prefill_calls"] - a["prefill_calls"]
         if len(win) >= 2:
@@ -136,7 +160,7 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
             steps_sum += b["decode_steps"] - a["decode_steps"]
     if not step_pts:
         raise ValueError(f"plan --from-run: {run_dir}/inference.jsonl has no decode steps")
-    decode = Affine.fit(occ_pts, step_pts)
+    decode, call_s = _decode_costs(call_rows, occ_pts, step_pts)
     if decode.per_unit == 0.0:
         notes.append("decode-step cost: the run's occupancy hardly varied, so the cost is its mean per step, the "
                      "same at any occupancy (what-ifs that change the batch are rough)")
@@ -168,7 +192,7 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
         straggler_wait_s=cfg.async_.straggler_wait_s if tw == 1 else 0.0,
         trainer_chips=tw * cfg.run.devices_per_host, inference_chips=inf_hosts * cfg.run.devices_per_host,
         seed=cfg.run.seed, skip_steps=skip_steps)
-    times = ProgramTimes(decode_step=decode, prefill=prefill, train_step=train, sync_cast_s=cast,
+    times = ProgramTimes(decode_step=decode, decode_call_s=call_s, prefill=prefill, train_step=train, sync_cast_s=cast,
                          sync_transfer_s=pause, queue_hop_s=rpc_s / rpc_n if rpc_n else 0.0,
                          idle_poll_s=IDLE_POLL_S, decode_call_host_s=host_s / calls if calls else 0.0)
     total = sum(r["step_time_s"] for r in steady)

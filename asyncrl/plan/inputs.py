@@ -60,6 +60,11 @@ class ProgramTimes:
     waits for it too without overlap (and with overlap, before the next sync)."""
     verifier_s: float = 0.0
     """Per sample, off the decode thread: delays its group, costs no decode time."""
+    decode_call_s: float = 0.0
+    """Fixed device cost of every call of the decode program (it takes and returns the whole decode state). The
+    engine substitutes one waiting row into a free slot per call (`Engine._decode_chunk`), and a call with more rows
+    waiting returns after its substitution, so a replica taking in n rows makes n calls: each costs this, the last
+    also its decode steps."""
     decode_call_host_s: float = 0.0
     """Host work around each decode call on the replica's thread (taking out a finished row, its verifier's
     answer, emitting the group): the engine's wall time less its device calls, per call."""

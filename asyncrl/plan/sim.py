@@ -3,7 +3,8 @@ before a slice is booked, and why.
 
 What it simulates, each as the real code does it (the module that does it in brackets):
 - Continuous batching on every replica (`inference/engine.py`): a decode call runs steps over the live rows until
-  one of them ends (or `decode_chunk_steps` pass); a step of n live rows costs `decode_step(n)`. A replica pulls
+  one of them ends (or `decode_chunk_steps` pass); a step of n live rows costs `decode_step(n)`, a call
+  `decode_call_s` besides. Waiting rows enter free slots one per call, each but the last in a call of its own. A replica pulls
   the next `prefill_prompts` prompts from the shared queue when the rows of its last chunk are all in the batch,
   prefills them (its decode stops meanwhile), and fills free slots from them, `group_size` rows per prompt.
 - The feeder's gate (`orchestration/staleness.py`): prompt positions below P (synced + max_lag + 1) + dropped +
@@ -164,8 +165,11 @@ class Simulation:
             self._maybe_start_chain()
             return
         hop = self.t.queue_hop_s
-        while r.pending and len(r.rows) < self.lay.decode_batch:
+        while r.pending and len(r.rows) < self.lay.decode_batch:  # one row per decode call
             r.rows.append(r.pending.popleft())
+            if r.pending and len(r.rows) < self.lay.decode_batch:  # more to take in: this call returns at once
+                self._phase(r, self.t.decode_call_host_s, "host", 0)
+                self._phase(r, self.t.decode_call_s, "insert", len(r.rows))
         # The worker takes the next prompts as soon as the last ones' rows are all in the batch, before it decodes.
         if not r.pending and self.queue:
             n = min(self.lay.prefill_prompts, len(self.queue))
@@ -190,7 +194,7 @@ class Simulation:
         self._phase(r, self.t.decode_call_host_s, "host", 0)
         k = min(min(x.remaining for x in r.rows), self.lay.decode_chunk_steps)
         n = len(r.rows)
-        dt = k * self.t.decode_step(n)
+        dt = self.t.decode_call_s + k * self.t.decode_step(n)
         done = []
         for x in r.rows:
             x.remaining -= k
@@ -363,7 +367,7 @@ class Simulation:
         for r in self.replicas:
             for a, b, kind, live in r.calls:
                 o = overlap(a, b)
-                busy += o if kind in ("decode", "prefill") else 0.0
+                busy += o if kind in ("decode", "prefill", "insert") else 0.0
                 if kind == "decode":
                     decode_t += o
                     slot += o * live
