@@ -72,6 +72,8 @@ def test_splits_are_the_ones_the_hop_chain_allows_and_memory_is_scaled_by_chips(
     t = _target(rows=_rows(train_peak=60e9))  # 8 hosts, 16 prompts per step; compiled on 4 chips
     assert t.train_workers_options() == [1, 2, 4]
     assert [t.fits(tw) for tw in (1, 2, 4)] == [False, True, True]  # 120 GB per chip on 2 chips; 60; 30 (of 95)
+    assert t.replicas(2) == 6 * 2  # 6 inference hosts of 2 chips, a replica per chip (tp 1)
+    assert _target("inference.replica_mode=spmd").replicas(2) == 6  # one SPMD replica per inference host
     with pytest.raises(PlanError, match="decode"):
         Target.of(t.cfg, [r for r in _rows() if r["program"] != "decode"], Assumptions())
 

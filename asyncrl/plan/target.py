@@ -178,6 +178,14 @@ class Target:
             verifier_s=self.assume.verifier_s, decode_call_host_s=self.assume.decode_call_host_s,
             idle_poll_s=0.05, queue_hop_s=self.assume.queue_hop_s)
 
+    def replicas(self, tw: int) -> int:
+        """Inference replicas with `tw` trainer hosts: one per `tp` chips ('threads'), or one per host ('spmd': the
+        decode batch is sharded over the host's chips, as `inference/replicas.py` builds them)."""
+        inf_hosts = self.cfg.run.hosts - tw
+        if self.cfg.inference.replica_mode == "spmd":
+            return inf_hosts
+        return inf_hosts * self.cfg.run.devices_per_host // self.cfg.inference.tp
+
     @property
     def train_tokens_scale(self) -> float:
         """The config's tokens per step over those the train step was compiled for: rows from another batch size
@@ -189,8 +197,8 @@ class Target:
         c, inf = self.cfg, self.cfg.inference
         dph = c.run.devices_per_host
         return Layout(
-            prompts_per_step=c.prompts_per_step, group_size=inf.group_size,
-            replicas=(c.run.hosts - tw) * dph // inf.tp, decode_batch=inf.max_decode_batch_size, max_lag=max_lag,
+            prompts_per_step=c.prompts_per_step, group_size=inf.group_size, replicas=self.replicas(tw),
+            decode_batch=inf.max_decode_batch_size, max_lag=max_lag,
             steps=self.assume.steps, prefill_prompts=inf.max_prefill_prompts,
             decode_chunk_steps=inf.decode_chunk_steps, overlap=c.weightsync.overlap,
             filter_zero_variance=c.loss.filter_zero_variance,
