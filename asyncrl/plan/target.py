@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from asyncrl.aot.roofline import CHIPS
+from asyncrl.plan.from_run import IDLE_POLL_S
 from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
 from asyncrl.plan.result import Result
 from asyncrl.plan.sim import simulate
@@ -41,8 +42,8 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class Assumptions:
     efficiency: float = 0.7
-    """Share of its roofline time each program reaches (0.7: below the 0.80-0.92 roofline/ideal ratios the train
-    step and decode compile to, since kernels do not run at their roofline)."""
+    """Share of its roofline time each program reaches: a stated guess (no program here has been timed on a chip;
+    kernels do not run at their roofline)."""
     mean_len: float | None = None
     """Mean completion tokens; None: half the generation budget (the blog's lambda = 0.5)."""
     tail: float = 0.6
@@ -127,13 +128,13 @@ class Target:
 
     def sync_bytes(self) -> float:
         """Bytes one receiving chip takes in per sync after the first."""
+        import jax.numpy as jnp
+
         from asyncrl.models import lora
         from asyncrl.models.sources import model_config
 
-        import numpy as np
-
         mcfg = model_config(self.cfg.model)
-        item = np.dtype(self.cfg.inference.params_dtype).itemsize
+        item = jnp.dtype(self.cfg.inference.params_dtype).itemsize
         lc = self.cfg.train.lora
         if lc.rank > 0:
             values = lora.count(mcfg, lc.rank, tuple(lc.targets), ("b",) if lc.freeze_a else ("a", "b"))
@@ -176,7 +177,7 @@ class Target:
             sync_cast_s=r["weight_sync_cast"]["roofline_s"] * scale / e,
             sync_transfer_s=self.sync_transfer_s(tw),
             verifier_s=self.assume.verifier_s, decode_call_host_s=self.assume.decode_call_host_s,
-            idle_poll_s=0.05, queue_hop_s=self.assume.queue_hop_s)
+            idle_poll_s=IDLE_POLL_S, queue_hop_s=self.assume.queue_hop_s)
 
     def replicas(self, tw: int) -> int:
         """Inference replicas with `tw` trainer hosts: one per `tp` chips ('threads'), or one per host ('spmd': the
@@ -191,7 +192,8 @@ class Target:
         """The config's tokens per step over those the train step was compiled for: rows from another batch size
         (`--from-aot` with `train.train_batch_size=...`) are scaled by tokens (more micro-batches of one shape)."""
         c = self.cfg
-        return c.train.train_batch_size * c.inference.max_seq_len / self.rows["train_step"]["tokens"]
+        seq = -(-c.inference.max_seq_len // c.train.pad_to_multiple) * c.train.pad_to_multiple  # as aot compiles it
+        return c.train.train_batch_size * seq / self.rows["train_step"]["tokens"]
 
     def layout(self, tw: int, max_lag: int) -> Layout:
         c, inf = self.cfg, self.cfg.inference
