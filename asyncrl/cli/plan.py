@@ -2,8 +2,9 @@
 
     python launch.py plan --config-name v5p64_qwen3_8b               at target scale: compile the programs for the
                                                                      slice (launch.py aot), predict, sweep, plot
-    python launch.py plan --config-name v5p64_qwen3_8b --from-aot benchmarks/results/aot_v5p64_qwen3_8b.json
-                                                                     the same from rows `launch.py aot --out` wrote
+    python launch.py plan --config-name v5p64_qwen3_8b --from-aot benchmarks/results/aot.json
+                                                                     the same from compiled rows (`launch.py aot
+                                                                     --out`, or benchmarks/aot.py's results)
     python launch.py plan --from-run runs/NAME                       replay a finished run: predicted vs measured
     python launch.py plan --from-run runs/NAME --what-if replicas=2 max_lag=2 decode_batch=64
                                                                      the same run, changed
