@@ -67,6 +67,7 @@ class _Replica:
     version: int = 0
     rows: list = field(default_factory=list)
     pending: deque = field(default_factory=deque)
+    out: deque = field(default_factory=deque)  # finished rows still in their slots: one comes out per call
     busy: bool = False
     parked: bool = False
     phase_end: float | None = None  # queue calls made before the call about to start end here
@@ -170,6 +171,15 @@ class Simulation:
             if r.pending and len(r.rows) < self.lay.decode_batch:  # more to take in: this call returns at once
                 self._phase(r, self.t.decode_call_host_s, "host", 0)
                 self._phase(r, self.t.decode_call_s, "insert", len(r.rows))
+                self._take_out(r, r.phase_end)  # the call also takes a finished row out (a swap)
+        if r.out and not r.pending and not self.queue:
+            # Nothing to take in: a finished row comes out in a call of its own, through the worker's loop
+            # (`Engine.advance`: the two queue looks, host work, the call).
+            self._phase(r, 2 * hop, "queue", 0)
+            self._phase(r, self.t.decode_call_host_s, "host", 0)
+            self._take_out(r, r.phase_end + self.t.decode_call_s)
+            self._call(r, self.t.decode_call_s, "insert", len(r.rows))
+            return
         # The worker takes the next prompts as soon as the last ones' rows are all in the batch, before it decodes.
         if not r.pending and self.queue:
             n = min(self.lay.prefill_prompts, len(self.queue))
@@ -202,9 +212,16 @@ class Simulation:
                 done.append(x)
         r.rows = [x for x in r.rows if x.remaining > 0]
         start = r.phase_end if r.phase_end is not None else self.now
-        for x in done:
-            self._at(start + dt, self._sample_done, x, r.idx)
+        # A call takes one finished row out; rows that finish together wait in their slots for later calls.
+        self._take_out(r, start + dt)
+        r.out.extend(done)
+        if done:
+            self._at(start + dt, self._sample_done, r.out.popleft(), r.idx)
         self._call(r, dt, "decode", n)
+
+    def _take_out(self, r: _Replica, when: float) -> None:
+        if r.out:
+            self._at(when, self._sample_done, r.out.popleft(), r.idx)
 
     def _phase(self, r: _Replica, dt: float, kind: str, live: int) -> None:
         """Time on the replica's thread before its next call (queue calls): recorded, and the call starts after."""
