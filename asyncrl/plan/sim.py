@@ -4,7 +4,8 @@ before a slice is booked, and why.
 What it simulates, each as the real code does it (the module that does it in brackets):
 - Continuous batching on every replica (`inference/engine.py`): a decode call runs steps over the live rows until
   one of them ends (or `decode_chunk_steps` pass); a step of n live rows costs `decode_step(n)`, a call
-  `decode_call_s` besides. Waiting rows enter free slots one per call, each but the last in a call of its own. A replica pulls
+  `decode_call_s` besides. Rows enter free slots one per call and leave one per call (rows that finish together
+  wait in their slots). A replica pulls
   the next `prefill_prompts` prompts from the shared queue when the rows of its last chunk are all in the batch,
   prefills them (its decode stops meanwhile), and fills free slots from them, `group_size` rows per prompt.
 - The feeder's gate (`orchestration/staleness.py`): prompt positions below P (synced + max_lag + 1) + dropped +
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from asyncrl.plan.inputs import Layout, Lengths, ProgramTimes
-from asyncrl.plan.result import Result
+from asyncrl.plan.result import Result, steady_state
 
 
 @dataclass
@@ -366,40 +367,8 @@ class Simulation:
         self._try_step()
         self._poll()
 
-    # ---- figures --------------------------------------------------------------------------------------------
-
     def _result(self) -> Result:
-        ends = self.step_ends
-        k = min(self.lay.skip_steps, len(ends) - 2) if len(ends) > 2 else 0
-        w0, w1 = (ends[k - 1] if k > 0 else 0.0), ends[-1]
-        span = max(w1 - w0, 1e-12)
-        n_steps = len(ends) - k
-
-        def overlap(a: float, b: float) -> float:
-            return max(0.0, min(b, w1) - max(a, w0))
-
-        train = sum(overlap(a, b) for a, b in self.train_spans)
-        blocked = sum(overlap(a, b) for a, b in self.blocked)
-        busy = decode_t = slot = 0.0
-        for r in self.replicas:
-            for a, b, kind, live in r.calls:
-                o = overlap(a, b)
-                busy += o if kind in ("decode", "prefill", "insert") else 0.0
-                if kind == "decode":
-                    decode_t += o
-                    slot += o * live
-        steady = [x for x in self.trained_tokens if x[0] > w0]
-        chips = self.lay.trainer_chips + self.lay.inference_chips
-        return Result(
-            steps=len(ends), step_s=span / n_steps, step_s_all=list(np.diff([0.0, *ends])),
-            trainer_busy=train / span, sync_blocked_s=blocked / n_steps,
-            inference_busy=busy / (span * len(self.replicas)),
-            decode_occupancy=slot / max(decode_t * self.lay.decode_batch, 1e-12),
-            slot_busy_time=slot / (span * self.lay.decode_batch * len(self.replicas)),
-            dropped_lag=self.dropped_lag, dropped_zero_variance=self.dropped_zv,
-            generated_tokens_per_s_per_chip=sum(x[2] for x in steady) / span / chips,
-            trained_tokens_per_s_per_chip=sum(x[1] for x in steady) / span / chips,
-            lag_mean=float(np.mean(self.lags)) if self.lags else 0.0)
+        return steady_state(self)
 
 
 def simulate(times: ProgramTimes, lengths: Lengths, layout: Layout) -> Result:
