@@ -598,8 +598,7 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     setup = {"models": models, "batches": args.batches, "dtypes": args.dtypes, "new_tokens": new_tokens,
              "repeats": args.repeats, "quick": args.quick, "prompt_lens": list(PROMPT_LENS),
-             "jax": jax.__version__, "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "host": host,
-             "xla_flags": os.environ.get("XLA_FLAGS", "")}
+             "jax": jax.__version__, "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "host": host}
     result = {"setup": setup, "machine": BW, "results": rows, "slot_utilization": util, "profile": prof, "spmd": spmd}
     out_path.write_text(json.dumps(result, indent=2, default=float) + "\n")
     log(f"wrote {out_path}")

@@ -352,11 +352,11 @@ def test_collectives_in_a_loop_are_weighted(mesh) -> None:
 
 
 def test_causal_blocks_is_the_share_of_tiles_on_or_below_the_diagonal() -> None:
-    from asyncrl.aot.hlo_cost import _causal_blocks
+    from asyncrl.aot.kernel_cost import causal_blocks
 
-    assert _causal_blocks(1024, 1024, 512, 512) == 3 / 4  # tiles (0,0), (1,0), (1,1) of 2 x 2
-    assert _causal_blocks(1024, 1024, 128, 128) == 36 / 64  # 1 + 2 + ... + 8 of 8 x 8
-    assert _causal_blocks(1024, 1024, 256, 512) == (1 + 1 + 2 + 2) / 8  # q tiles end at 256, 512 | 768, 1024
+    assert causal_blocks(1024, 1024, 512, 512) == 3 / 4  # tiles (0,0), (1,0), (1,1) of 2 x 2
+    assert causal_blocks(1024, 1024, 128, 128) == 36 / 64  # 1 + 2 + ... + 8 of 8 x 8
+    assert causal_blocks(1024, 1024, 256, 512) == (1 + 1 + 2 + 2) / 8  # q tiles end at 256, 512 | 768, 1024
 
 
 def _flash(mesh, grad: bool):

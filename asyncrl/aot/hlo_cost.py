@@ -12,7 +12,7 @@ What is counted, per execution:
   2 * output elements * kernel input features * kernel window (padding not subtracted). Fusions included. Each
   counts its MXU passes: an f32 dot at `Precision.HIGH` runs as 3 bf16 passes and at `HIGHEST` as 6, so it counts
   3x or 6x (XLA counts it once). The flash-attention kernels' matmuls are counted here too, causal: see
-  `_flash_cost` (the kernels' own estimates are wrong: full non-causal attention forward, nothing backward).
+  `kernel_cost.py` (the kernels' own estimates are wrong: full non-causal attention forward, nothing backward).
 - `flops`: `matmul_flops` plus one per output element of each elementwise op (convert and compare too),
   (input - output elements) per reduce, and the `cost_estimate` any other Pallas kernel (tpu_custom_call) declares.
   That is XLA's rule, so a loop-free program matches `cost_analysis()["flops"]`. `transcendentals` (exp,
@@ -63,7 +63,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from asyncrl.models.flash import block_size
+from asyncrl.aot.kernel_cost import FLASH_KERNEL, flash_cost, mxu_passes
 
 _METADATA_OPS = frozenset("parameter get-tuple-element tuple constant bitcast after-all partition-id replica-id "
                           "opt-barrier add-dependency domain".split())
@@ -117,51 +117,6 @@ class ProgramCost:
     loops: tuple[Loop, ...]
     unknown_trip_counts: tuple[str, ...]  # while instructions weighted 1 for want of a trip count
     assumed_trip_counts: tuple[str, ...] = ()  # data-dependent loops weighted by their scope's stated worst case
-
-
-def _mxu_passes(attrs: str, lhs: list[Leaf], rhs: list[Leaf]) -> int:
-    """bf16 MXU passes of one dot: an f32 dot at `Precision.HIGH` runs as 3 (bf16_3x), at `HIGHEST` as 6
-    (bf16_6x); DEFAULT, and any dot of 16-bit operands, as 1."""
-    prec = re.search(r"operand_precision=\{(\w+)", attrs)
-    if not prec or not lhs or not rhs or "f32" not in (lhs[0].dtype, rhs[0].dtype):
-        return 1
-    return {"high": 3, "highest": 6}.get(prec.group(1).lower(), 1)
-
-
-# JAX's Pallas TPU flash-attention kernels (`jax.experimental.pallas.ops.tpu.flash_attention`), by instruction name:
-# the backward kernels are named with their tiles (flash_mha_bwd_dq_block_q_major_512_...), the forward after the
-# function that calls it (jit_flash_attention, jvp_jit_flash_attention). The forward declares the cost of full,
-# non-causal attention and the two backward kernels declare none, so their cost is counted here instead: the
-# matmuls of the score blocks each kernel runs, at its tile sizes.
-_FLASH = re.compile(r"flash_mha_(fwd|bwd_dkv|bwd_dq)|flash_attention")
-_FLASH_MATMULS = {"fwd": 2, "bwd_dkv": 4, "bwd_dq": 3}  # per score block: QK^T, PV | + dV, dP, dK | + dP, dQ
-
-
-def _causal_blocks(t: int, s: int, bq: int, bk: int) -> float:
-    """Share of the [t, s] score blocks (bq x bk tiles) on or below the causal diagonal: the kernels skip the rest."""
-    nq, nk = max(t // bq, 1), max(s // bk, 1)
-    run = sum(min(nk, ((i + 1) * bq + bk - 1) // bk) for i in range(nq))
-    return run / (nq * nk)
-
-
-def _flash_cost(ins: "Instr", operands: list[list[Leaf]]) -> tuple[float, float, float]:
-    """(matmul flops, other flops, transcendentals) of one flash kernel call: q [B, H, T, D] and k [B, H, S, D] are
-    its first two operands. Every kernel recomputes the scores of the blocks it runs (2 B H T S D flops per full
-    matmul, scaled to the blocks run); the forward and dq exponentiate them. Causal: the name carries no flag, so
-    the kernel's causal skip is assumed (asyncrl calls it causal only, `models/flash.py`)."""
-    kind = re.search(r"flash_mha_(fwd|bwd_dkv|bwd_dq)", ins.name)
-    kind_s = kind.group(1) if kind else "fwd"
-    if len(operands) < 2 or not operands[0] or not operands[1] or len(operands[0][0].dims) != 4:
-        return 0.0, 0.0, 0.0
-    B, H, T, D = operands[0][0].dims
-    S = operands[1][0].dims[2]
-    bq = re.search(r"block_q(?:_major)?_(\d+)", ins.name)
-    bk = re.search(r"block_k_major_(\d+)", ins.name)
-    tile = block_size(T) or T  # the forward's name has no tiles: models/flash.py picks them, by this rule
-    frac = _causal_blocks(T, S, int(bq.group(1)) if bq else tile, int(bk.group(1)) if bk else tile)
-    scores = B * H * T * S * frac
-    matmul = _FLASH_MATMULS[kind_s] * 2.0 * scores * D
-    return matmul, 0.0, scores  # each kernel exponentiates the scores it recomputes
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -365,7 +320,7 @@ class _Analyzer:
             lhs, rhs = (self._shape(comp, o) for o in (ins.operands + ["", ""])[:2])
             contracting = re.search(r"lhs_contracting_dims=\{([\d,\s]*)\}", ins.attrs)
             labels = re.search(r"dim_labels=\w*_(\w+)->", ins.attrs)
-            passes = _mxu_passes(ins.attrs, lhs, rhs)
+            passes = mxu_passes(ins.attrs, lhs[0].dtype if lhs else "", rhs[0].dtype if rhs else "")
             if ins.op == "dot" and lhs and contracting:
                 k = math.prod(lhs[0].dims[int(d)] for d in contracting.group(1).split(",") if d.strip())
             elif ins.op == "convolution" and lhs and rhs and labels:
@@ -373,8 +328,9 @@ class _Analyzer:
             else:
                 k = 1
             return passes * 2.0 * out * k, 0.0, 0.0
-        if ins.op == "custom-call" and _FLASH.search(ins.name):
-            return _flash_cost(ins, [self._shape(comp, o) for o in ins.operands])
+        if ins.op == "custom-call" and FLASH_KERNEL.search(ins.name):
+            q, k = (self._shape(comp, o) for o in (ins.operands + ["", ""])[:2])
+            return flash_cost(ins.name, q[0].dims if q else (), k[0].dims if k else ())
         if ins.op == "custom-call":  # a Pallas kernel states its own cost
             est = re.search(r'"cost_estimate"\s*:\s*\{([^}]*)\}', ins.attrs)
             fl, tr = (re.search(rf'"{key}"\s*:\s*"?(\d+)', est.group(1)) if est else None

@@ -68,6 +68,14 @@ def shard_bytes(tree: Any) -> float:
     return total
 
 
+def synced_values(model_cfg: Any, lora_cfg: Any | None) -> int:
+    """Values a weight sync after the first moves: every param, or with LoRA (`lora_cfg` enabled) the adapters,
+    B alone with `freeze_a`."""
+    if lora_cfg is None or not lora_cfg.enabled:
+        return model_cfg.num_params()
+    return lora_lib.count(model_cfg, lora_cfg.rank, lora_cfg.targets, ("b",) if lora_cfg.freeze_a else ("a", "b"))
+
+
 def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None = None) -> list[Program]:
     """The run's programs over `devices` (every device of the job, all hosts). `only` keeps the programs whose
     name starts with one of its entries (e.g. ['train_step', 'decode'])."""
@@ -86,9 +94,9 @@ def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None 
     state = trainer.abstract_state()
     lc = cfg.train.lora if cfg.train.lora.enabled else None
     dtype = jnp.dtype(cfg.inference.params_dtype)
+    sync_bytes = synced_values(model.cfg, lc) * dtype.itemsize
     if lc is None:
         train_flops, train_bytes = 6.0 * n * train_tokens, shard_bytes(state)
-        sync_bytes = model.cfg.num_params() * dtype.itemsize
     else:
         # LoRA: the forward (2N) and the activations' gradient (2N), but no gradient of the frozen base's weights;
         # the adapters' own 6 n_lora (4 n_lora + 2 n_b with A frozen: no gradient of A). The frozen base is
@@ -97,7 +105,6 @@ def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None 
         n_b = lora_lib.count(model.cfg, lc.rank, lc.targets, ("b",))
         train_flops = (4.0 * n + (4.0 * n_lora + 2.0 * n_b if lc.freeze_a else 6.0 * n_lora)) * train_tokens
         train_bytes = shard_bytes(state) + shard_bytes(trainer.abstract_reference())
-        sync_bytes = (n_b if lc.freeze_a else n_lora) * dtype.itemsize
     programs.append(Program(
         "train_step", "trainer", t_chips, lambda: trainer.lower_step(trainer.abstract_batch(T)), train_tokens, T,
         "step", train_flops / t_chips, train_bytes))

@@ -151,7 +151,8 @@ def _target(args: argparse.Namespace, rest: Sequence[str]) -> int:
             rows = json_rows(run_aot(cfg, cfg.run.tpu_topology, _AOT_PROGRAMS, progress))
         t0 = time.perf_counter()
         target = Target.of(cfg, rows, assume)
-        print(describe(target))
+        fed = describe(target)
+        print(fed)
         print(slots_note(target))
         points = sweep(target, args.lags)
     except (PlanError, OSError, json.JSONDecodeError) as e:
@@ -179,6 +180,6 @@ def _target(args: argparse.Namespace, rest: Sequence[str]) -> int:
         print(json.dumps([p.row() for p in points], indent=1))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"config": cfg.run.name, "assumptions": assume.__dict__, "describe": describe(target),
+            json.dump({"config": cfg.run.name, "assumptions": assume.__dict__, "describe": fed,
                        "closed_form_train_share": share, "points": [p.row() for p in points]}, f, indent=1)
     return 0

@@ -67,12 +67,6 @@ def report_late_failures(refs: dict[Any, int], info: list[dict[str, Any]], tw: i
         return
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
     for ref in ready:
-        rank = refs[ref]
-        try:
-            res = ray.get(ref)
-            err = None if res.ok else (res.error.strip().splitlines()[0] if res.error else "unknown error")
-        except ray.exceptions.RayActorError as e:
-            err = f"actor died ({type(e).__name__}); pid {info[rank]['pid']} on {info[rank]['host']}"
-        if err:
-            log.warning("host %d (%s) failed after the trainer's last step needed it: %s", rank, role_of(rank, tw), err)
-
+        f = failure_of(ref, refs[ref], info, tw)
+        if f is not None:
+            log.warning("%s, after the trainer's last step needed it", f)

@@ -130,17 +130,11 @@ class Target:
         """Bytes one receiving chip takes in per sync after the first."""
         import jax.numpy as jnp
 
-        from asyncrl.models import lora
+        from asyncrl.aot.programs import synced_values
         from asyncrl.models.sources import model_config
 
-        mcfg = model_config(self.cfg.model)
         item = jnp.dtype(self.cfg.inference.params_dtype).itemsize
-        lc = self.cfg.train.lora
-        if lc.rank > 0:
-            values = lora.count(mcfg, lc.rank, tuple(lc.targets), ("b",) if lc.freeze_a else ("a", "b"))
-        else:
-            values = mcfg.num_params()
-        return values * item / self.cfg.inference.tp
+        return synced_values(model_config(self.cfg.model), self.cfg.train.lora) * item / self.cfg.inference.tp
 
     def sync_transfer_s(self, tw: int) -> float:
         """The hop chain (slot i to i+1 for each of hosts / tw slots), pipelined in buckets past two slots, then
