@@ -31,11 +31,11 @@ from asyncrl.train.warmstart import format_warmstart
 PROMPTS, GROUP = 16, 8
 
 
-def _evaluate(engine, envs, samples):
+def _evaluate(engine, envs, samples, n=2):
     reqs = []
     for i, s in enumerate(samples):
-        ids, e = envs.open(s, 2)
-        reqs.append(Request(Prompt.for_eval(i, s, 2, 0), ids, e))
+        ids, e = envs.open(s, n)
+        reqs.append(Request(Prompt.for_eval(i, s, n, 0), ids, e))
     out = engine.generate(reqs)
     comps = [c for r in out for c in r.completions]
     return float(np.mean([c.reward for c in comps])), float(np.mean([c.n_turns > 1 for c in comps]))
@@ -46,11 +46,11 @@ def test_rl_learns_to_use_the_lookup_action(tmp_path):
     tok = Tokenizer.from_folder(build_char_tokenizer(str(tmp_path / "tok")))
     cfg = preset("tiny")
     model = Model(cfg)
-    task = LookupTask(eval_size=64)
+    task = LookupTask(eval_size=256)  # ~10 prompts a letter: the copy is learned letter by letter
     verifier = Verifier(task, VerifierConfig(mode="exact", workers=0))
     envs = Environments(task, tok, verifier, chat=False, step_timeout_s=30)
     loss_cfg = LossConfig(name="grpo", max_tokens=21)
-    train_cfg = TrainConfig(train_batch_size=PROMPTS * GROUP, lr=2e-3, total_steps=400, pad_to_multiple=16,
+    train_cfg = TrainConfig(train_batch_size=PROMPTS * GROUP, lr=2e-3, total_steps=600, pad_to_multiple=16,
                             warmup_steps=5, max_grad_norm=1.0)
     trainer = Trainer(model, train_cfg, loss_cfg, ShardingConfig(mesh=MeshConfig(dp=1, fsdp=1)),
                       devices=jax.devices()[:1])
@@ -81,11 +81,15 @@ def test_rl_learns_to_use_the_lookup_action(tmp_path):
         if step == 0:
             assert metrics["train/is_ratio_min"] == pytest.approx(1.0, abs=1e-3)  # token-exact: on-policy ratios 1
             assert metrics["rollout/observation_share"] > 0 and metrics["rollout/turns_mean"] > 1
-        if len(rewards) >= 5 and np.mean(rewards[-5:]) > 0.95:
+        # Trained until the policy is above the bar with a margin, over 20 steps (2560 samples). A stop on a 5-step
+        # streak left a policy near 0.93, which a 128-sample eval of 64 prompts (2 or 3 a letter, and the copy is
+        # learned letter by letter) put at 0.875 once in CI. Now: 512 samples of 256 prompts; measured here, seeds
+        # 0, 1, 2: 0.945, 0.928, 0.963.
+        if len(rewards) >= 20 and np.mean(rewards[-20:]) >= 0.96:
             break
     after, action_after = _evaluate(engine, envs, eval_samples)
     assert before <= 0.1, before  # a guess is right 1 time in 26
-    assert after >= 0.9, (after, rewards[-10:])
+    assert after >= 0.9, (after, len(rewards), rewards[-10:])
     assert action_after > action_before and action_after > 0.9, (action_before, action_after)
 
 
