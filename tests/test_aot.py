@@ -169,7 +169,7 @@ def test_cli_compiles_the_multi_turn_programs_for_v5p():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["program"]: r for r in json.loads(out.stdout)}
     assert "park" in rows and any(name.startswith("extend[") for name in rows)
-    assert "extend[8]" in rows  # the narrowest continuation width
+    assert "extend[4]" in rows  # the narrowest continuation width
     for r in rows.values():
         assert r["fits"] and 0 < r["peak_bytes_per_chip"] < r["hbm_bytes_per_chip"] and r["hbm_bytes_accessed"] > 0
     single = _aot("--config-name", "tpu_tiny", "--json", "--programs", "park,extend")

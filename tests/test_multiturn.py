@@ -189,10 +189,8 @@ def _continuation_matches_a_fresh_prefill(engine: Engine, model: Model, params, 
 
     with jax.set_mesh(engine.mesh) if engine.mesh is not None else _nullcontext():
         park = jax.jit(put)(park, pre)
-    feeds, lens = engine._padded([np.concatenate([history[-1:], obs])])
-    idx = np.full((engine.P,), -1, np.int32)
-    idx[0] = 2
-    state = engine._run(engine._extend, engine.params, idx, feeds, lens, np.int32(0), device=(park,))
+    engine._park = park
+    state = engine._extend_parked(engine.params, 0, [2], [np.concatenate([history[-1:], obs])])
     assert int(state.kv.length[0]) == len(history) + len(obs) - 1 and int(state.next_token[0]) == obs[-1]
 
     def next_logits(params, kv, tok):

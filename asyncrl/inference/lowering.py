@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.layout import cpu_decode_layout
@@ -51,12 +52,25 @@ class AbstractPrograms:
         """Every prompt width `prefill` can compile (prompts are 1 .. max_seq_len - 1 tokens)."""
         return sorted({bucket_length(n, self.cfg.min_prefill_bucket, self.S) for n in range(1, self.S)})
 
-    EXTEND_MIN_BUCKET = 8
+    EXTEND_MIN_BUCKET = 4
     """Narrowest extend width: a continuation is its last sampled token and an observation, often a few tokens,
-    and an extend of P rows is compute-bound on a CPU (measured: 8 rows x 16 tokens 58 ms, 1 row 19 ms, 8 layers)."""
+    and an extend is compute-bound on a CPU (measured, 8 layers x 512: 8 rows x 8 tokens 33 ms, x 16 tokens 58 ms,
+    1 row x 8 tokens 9 ms), so every padded column costs what a real one does."""
 
     def extend_min_bucket(self) -> int:
         return min(self.EXTEND_MIN_BUCKET, self.cfg.min_prefill_bucket)
+
+    def extend_rows(self, n: int) -> int:
+        """Rows of an extend of n continuations: the next rung of 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and
+        1.5 times them), capped at max_prefill_prompts. At most a third of the rows are padding (powers of two
+        alone: up to half, and 5-7 continuations, what an extend usually takes, paid for 8), for at most twice
+        the programs."""
+        r = 1
+        while r < n:
+            r = r * 3 // 2 if r >= 2 and r & (r - 1) == 0 else (r * 4 // 3 if r > 2 else r + 1)
+        spec = self._data_spec()  # the rows' activations split over the data axes: a multiple of their size
+        d = 1 if spec is None else int(np.prod([self.mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec)]))
+        return min(-(-r // d) * d, self.P)
 
     def extend_buckets(self) -> list[int]:
         """Every continuation width `extend` can compile."""
@@ -134,7 +148,7 @@ class AbstractPrograms:
         i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)  # noqa: E731
         rows = self.P if rows is None else rows
         args = (self.abstract_params(), self.abstract_park(), i32((rows,)), i32((rows, bucket)), i32((rows,)),
-                self._scalar(jnp.int32))
+                i32((rows,)), self._scalar(jnp.int32))
         return self._lower(self._extend, args)
 
     def lower_prefill(self, bucket: int) -> jax.stages.Lowered:

@@ -13,10 +13,10 @@ steps, so its decode slot serves another row meanwhile.
   runs `decode_and_swap` without a substitution when its batch is full (the row comes out and its slot stays free),
   parks the row, and fills the slot at the start of its next call. Parking inside `decode_and_swap` made XLA copy
   the whole decode cache on every call (measured: 36-45 ms a call on an 8 layer model, 0.4 ms for this program);
-- `extend`, memoized per power-of-two bucket like prefill: takes parked rows, appends each one's continuation (its
-  last sampled token and the observation) to its cache at its own offset, attending over the cached history, and
-  returns a prefill-like batch whose rows go back into the decode batch like fresh prompts. No earlier token is
-  recomputed. Single-turn engines compile exactly the two programs above.
+- `extend`, memoized per power-of-two width (from 4) and rung of rows (`extend_rows`): takes parked rows, appends
+  each one's continuation (its last sampled token and the observation) to its cache at its own offset, attending
+  over the cached history, and returns a prefill-like batch whose rows go back into the decode batch like fresh
+  prompts. No earlier token is recomputed. Single-turn engines compile exactly the two programs above.
 """
 
 from __future__ import annotations
@@ -312,14 +312,16 @@ class DecodePrograms(AbstractPrograms):
                              out_specs=(out_specs.k, out_specs.v))(k, v, row)
 
     def _extend_fn(self, params: Any, park: KVCache, idx: jax.Array, feed: jax.Array, lens: jax.Array,
-                   version: jax.Array) -> DecodeState:
-        """Continuations [P]: park rows `idx` (-1: an unused row), each with `feed` [P, W] (right-padded, `lens`
-        valid): the last token its turn sampled, which the cache does not hold yet, then its observation. All but
-        the last feed token are appended to the row's cache at its own offset, attending over the cached history
-        (the model's cached path, as a decode step, for many tokens at once); the last becomes next_token. The
-        result is laid out like a prefill batch, and its rows are inserted the same way."""
+                   last: jax.Array, version: jax.Array) -> DecodeState:
+        """Continuations [rows]: park rows `idx` (-1: an unused row), each with `feed` [rows, W] (right-padded,
+        `lens` valid, at least 1): the last token its turn sampled, which the cache does not hold yet, then its
+        observation but for the observation's last token, `last`, which becomes next_token (the first decode step
+        feeds it). The feed is appended to the row's cache at its own offset, attending over the cached history
+        (the model's cached path, as a decode step, for many tokens at once); no earlier token is recomputed. The
+        result is laid out like a prefill batch, and its rows are inserted the same way. `last` travels apart
+        from the feed so that the bucket pads only what is computed (a 4-token observation: width 4, not 8)."""
         with jax.named_scope("extend"):
-            rows, _ = feed.shape  # a power of two <= P: a lone continuation does not pay for P rows of compute
+            rows, _ = feed.shape  # a rung of `extend_rows` <= P: a lone continuation does not pay for P rows
             live = idx >= 0
             at = jnp.maximum(idx, 0)
             # One dynamic slice per row, not a gather: the TPU compiler's gather over the park store read all of it
@@ -331,9 +333,7 @@ class DecodePrograms(AbstractPrograms):
             if self.mesh is not None:
                 kv = jax.tree.map(lambda x, ns: jax.sharding.reshard(x, ns.spec), kv,
                                   self.state_shardings(rows, split_rows=False).kv)
-            append = jnp.maximum(lens - 1, 0)
-            _, kv = self.model.apply(params, feed, append, kv, apply_lm_head=False)
-            last = jnp.take_along_axis(feed, append[:, None], axis=1)[:, 0]
+            _, kv = self.model.apply(params, feed, jnp.where(live, lens, 0), kv, apply_lm_head=False)
             # Laid out as a P-row prefill batch (the rows past `rows` empty), so the one decode program takes it.
             pad = lambda x, axis: jnp.pad(x, [(0, self.P - rows) if a == axis else (0, 0) for a in range(x.ndim)])  # noqa: E731
             state = self._empty(self.P, jnp.zeros((2,), jnp.uint32), split_rows=False)

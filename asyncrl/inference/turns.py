@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 class EpisodeDriver:
     """Needs the engine's `cfg`, `S`, `P`, `B`, `name`, `stats`, `_lock`, `params`, `version`, `_park`, `_run`,
-    `_padded`, `_extend`, `extend_min_bucket`, `prefill`, `_in_flight` and its host queues (`_stepping`, `_ready`,
+    `_padded`, `_extend`, `extend_min_bucket`, `extend_rows`, `prefill`, `_in_flight` and its host queues (`_stepping`, `_ready`,
     `_free_park`, `_queue`, `_pool`, `_emit`)."""
 
     def _step(self, ep: Episode, turn: Turn) -> Future:
@@ -106,11 +107,7 @@ class EpisodeDriver:
             entries = []
             if parked:
                 t0 = time.perf_counter()
-                rows = min(self.P, 1 << (len(parked) - 1).bit_length())  # a power of two: few programs
-                feeds, lens = self._padded([c.feed for c in parked], rows, self.extend_min_bucket())
-                idx = np.full((rows,), -1, np.int32)
-                idx[: len(parked)] = [c.park for c in parked]
-                state = self._run(self._extend, params, idx, feeds, lens, np.int32(version), device=(self._park,))
+                state = self._extend_parked(params, version, [c.park for c in parked], [c.feed for c in parked])
                 jax.block_until_ready(state.kv)
                 self.stats.extend_time += time.perf_counter() - t0
                 self.stats.extra["extend_calls"] = self.stats.extra.get("extend_calls", 0) + 1
@@ -127,3 +124,15 @@ class EpisodeDriver:
                 state = self.prefill([c.group.episodes[c.k].history(c.group.rollout.prompt_tokens) for c in rest])
                 entries += [(state, i, (c.group, c.k)) for i, c in enumerate(rest)]
             self._queue.extendleft(reversed(entries))
+
+    def _extend_parked(self, params: Any, version: int, parks: Sequence[int], feeds: Sequence[np.ndarray]) -> Any:
+        """One `extend` call: park rows `parks` continued by `feeds` (each the turn's last sampled token, then the
+        observation). Rows come in rungs of `extend_rows`; the feed but its last token is padded to an
+        `extend_buckets` width, and the last token is passed apart (it is fed by the first decode step)."""
+        rows = self.extend_rows(len(parks))
+        toks, lens = self._padded([f[:-1] for f in feeds], rows, self.extend_min_bucket())
+        idx = np.full((rows,), -1, np.int32)
+        idx[: len(parks)] = parks
+        last = np.zeros((rows,), np.int32)
+        last[: len(feeds)] = [f[-1] for f in feeds]
+        return self._run(self._extend, params, idx, toks, lens, last, np.int32(version), device=(self._park,))
