@@ -297,3 +297,16 @@ def test_every_normaliser_counts_model_tokens_only(model_params, tok, norm):
                   "constant": len(comps) * BASE.generation_budget}[norm]
         np.testing.assert_allclose(nz, 1.0 / expect, rtol=1e-6)
         assert len(nz) == model_tokens[b]
+
+
+def test_extend_rows_come_in_rungs_rounded_to_the_data_axis(model_params, tok):
+    """An extend pads its rows to a rung of 1, 2, 3, 4, 6, 8, ... (at most a third padding), capped at
+    max_prefill_prompts; on a replica whose rows split over dp=2, to a multiple of 2 (a 1-row extend cannot split)."""
+    model, params = model_params
+    cfg = dataclasses.replace(BASE, max_prefill_prompts=8, max_decode_batch_size=8)
+    eng = Engine(model, params, cfg, tok, seed=1)
+    assert [eng.extend_rows(n) for n in range(1, 9)] == [1, 2, 3, 4, 6, 6, 8, 8]
+    (spmd,) = ReplicaSet(model, params, dataclasses.replace(cfg, replica_mode="spmd", tp=2), tok,
+                         devices=jax.devices()[:4], seed=1).engines
+    assert spmd.mesh.shape["dp"] == 2
+    assert [spmd.extend_rows(n) for n in range(1, 9)] == [2, 2, 4, 4, 6, 6, 8, 8]

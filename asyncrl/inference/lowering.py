@@ -69,7 +69,8 @@ class AbstractPrograms:
         while r < n:
             r = r * 3 // 2 if r >= 2 and r & (r - 1) == 0 else (r * 4 // 3 if r > 2 else r + 1)
         spec = self._data_spec()  # the rows' activations split over the data axes: a multiple of their size
-        d = 1 if spec is None else int(np.prod([self.mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec)]))
+        axes = () if spec is None else ((spec,) if isinstance(spec, str) else tuple(spec))
+        d = int(np.prod([self.mesh.shape[a] for a in axes]))
         return min(-(-r // d) * d, self.P)
 
     def extend_buckets(self) -> list[int]:

@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 class EpisodeDriver:
     """Needs the engine's `cfg`, `S`, `P`, `B`, `name`, `stats`, `_lock`, `params`, `version`, `_park`, `_run`,
-    `_padded`, `_extend`, `extend_min_bucket`, `extend_rows`, `prefill`, `_in_flight` and its host queues (`_stepping`, `_ready`,
-    `_free_park`, `_queue`, `_pool`, `_emit`)."""
+    `_padded`, `_extend`, `extend_min_bucket`, `extend_rows`, `prefill`, `_in_flight` and its host queues
+    (`_stepping`, `_ready`, `_free_park`, `_queue`, `_pool`, `_emit`)."""
 
     def _step(self, ep: Episode, turn: Turn) -> Future:
         """The environment's step, on a worker thread; it records its own duration."""
