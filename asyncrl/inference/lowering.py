@@ -54,8 +54,8 @@ class AbstractPrograms:
 
     EXTEND_MIN_BUCKET = 4
     """Narrowest extend width: a continuation is its last sampled token and an observation, often a few tokens,
-    and an extend is compute-bound on a CPU (measured, 8 layers x 512: 8 rows x 8 tokens 33 ms, x 16 tokens 58 ms,
-    1 row x 8 tokens 9 ms), so every padded column costs what a real one does."""
+    and an extend costs a weight read plus its computed tokens, padding included (`benchmarks/extend_cost.py`, 8
+    layers x 512 on a CPU: 8.1 ms + 0.31 ms a token), so every padded column costs what a real one does."""
 
     def extend_min_bucket(self) -> int:
         return min(self.EXTEND_MIN_BUCKET, self.cfg.min_prefill_bucket)
