@@ -7,7 +7,7 @@ budget (the baseline, same generated tokens per episode, no environment). Report
 phase: generated tokens/s, and decode-slot occupancy, as the share of the decode batch's row-steps that held a live
 row (`EngineStats.slot_steps`) and as the same share of the wall time (prefills, extends and any wait count as idle).
 
-    python benchmarks/multiturn.py [--env-s 0.5] [--seconds 30] [--turns 3] [--tokens-per-turn 32] [--parked 512]
+    python benchmarks/multiturn.py [--env-s 0.5] [--seconds 30] [--pairs 3] [--turns 3] [--tokens-per-turn 32] [--parked 512]
 
 Writes benchmarks/results/multiturn_<model>.json.
 """
@@ -95,6 +95,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--env-s", type=float, default=0.5)
     ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--pairs", type=int, default=3, help="multi-turn and single-turn runs, alternating (ABBA)")
     ap.add_argument("--warm-s", type=float, default=8.0)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
@@ -152,28 +153,45 @@ def main() -> int:
     for n in sorted({multi.extend_rows(n) for n in range(1, multi.P + 1)}):
         jax.block_until_ready(multi._extend_parked(multi.params, 0, list(range(n)), [feed] * n).kv)
     print(f"extend programs compiled in {time.perf_counter() - t0:.1f} s")
-    rows = {"multi_turn": run(multi, requests(True), args.seconds, args.warm_s),
-            "single_turn": run(single, requests(False), args.seconds, args.warm_s)}
-    ratio = rows["multi_turn"]["steady_tokens_per_s"] / rows["single_turn"]["steady_tokens_per_s"]
-    ratio_all = rows["multi_turn"]["tokens_per_s"] / rows["single_turn"]["tokens_per_s"]
+    # Pairs, in ABBA order: this machine's speed drifts by 10-15% from minute to minute (other tenants), and a ratio
+    # taken from one multi-turn run and one single-turn run a minute later carries that drift.
+    pairs = []
+    for i in range(args.pairs):
+        order = ("multi_turn", "single_turn") if i % 2 == 0 else ("single_turn", "multi_turn")
+        pair = {}
+        for name in order:
+            pair[name] = run(multi, requests(True), args.seconds, args.warm_s) if name == "multi_turn" \
+                else run(single, requests(False), args.seconds, args.warm_s)
+        pair["ratio_steady"] = pair["multi_turn"]["steady_tokens_per_s"] / pair["single_turn"]["steady_tokens_per_s"]
+        pair["ratio_all"] = pair["multi_turn"]["tokens_per_s"] / pair["single_turn"]["tokens_per_s"]
+        pairs.append(pair)
+    ratios = [p["ratio_steady"] for p in pairs]
+    ratio = float(np.median(ratios))
+    ratio_all = float(np.median([p["ratio_all"] for p in pairs]))
+    rows = min(pairs, key=lambda p: abs(p["ratio_steady"] - ratio))  # the median pair (the lower middle if even)
     machine = host_machine()
     machine["devices"] = str(jax.devices()[0])
-    print(f"{'':13}{'steady s':>9}{'tok/s':>8}{'busy(steps)':>12}{'busy(time)':>11}{'decode':>8}{'extend':>8}"
+    print(f"{'':16}{'steady s':>9}{'tok/s':>8}{'busy(steps)':>12}{'busy(time)':>11}{'decode':>8}{'extend':>8}"
           f"{'prefill':>8}{'re-prefill':>11} |{'wall s':>8}{'episodes':>9}{'tokens':>8}{'tok/s':>8}{'turns':>6}")
-    for name, r in rows.items():
-        print(f"{name:13}{r['steady_s']:9.2f}{r['steady_tokens_per_s']:8.0f}{r['steady_slots_busy_steps']:12.3f}"
-              f"{r['steady_slots_busy_time']:11.3f}{r['steady_decode_share']:8.3f}{r['steady_extend_share']:8.3f}"
-              f"{r['steady_prefill_share']:8.3f}{r['steady_re_prefills']:11.0f} |{r['wall_s']:8.2f}"
-              f"{r['episodes']:9.0f}{r['generated_tokens']:8.0f}{r['tokens_per_s']:8.0f}{r['turns_mean']:6.2f}")
-    for name, r in rows.items():
-        print(f"{name:13} decode calls/s {r['steady_decode_calls_per_s']:.1f}, steps/call "
+    for i, pair in enumerate(pairs):
+        for name in ("multi_turn", "single_turn"):
+            r = pair[name]
+            print(f"{i} {name:14}{r['steady_s']:9.2f}{r['steady_tokens_per_s']:8.0f}{r['steady_slots_busy_steps']:12.3f}"
+                  f"{r['steady_slots_busy_time']:11.3f}{r['steady_decode_share']:8.3f}{r['steady_extend_share']:8.3f}"
+                  f"{r['steady_prefill_share']:8.3f}{r['steady_re_prefills']:11.0f} |{r['wall_s']:8.2f}"
+                  f"{r['episodes']:9.0f}{r['generated_tokens']:8.0f}{r['tokens_per_s']:8.0f}{r['turns_mean']:6.2f}")
+        r = pair["multi_turn"]
+        print(f"{i} multi_turn     decode calls/s {r['steady_decode_calls_per_s']:.1f}, steps/call "
               f"{r['steady_steps_per_call']:.2f}, park share {r['steady_park_share']:.3f}, extend calls/s "
-              f"{r['steady_extend_calls_per_s']:.1f} x {r['steady_extend_rows_per_call']:.1f} rows")
-    print(f"multi-turn / single-turn tokens/s: steady {ratio:.3f}, whole run with its tail {ratio_all:.3f}   "
+              f"{r['steady_extend_calls_per_s']:.1f} x {r['steady_extend_rows_per_call']:.1f} rows; "
+              f"multi / single steady {pair['ratio_steady']:.3f}")
+    print(f"multi-turn / single-turn tokens/s, median of {len(pairs)} pairs: steady {ratio:.3f} "
+          f"({' / '.join(f'{x:.3f}' for x in ratios)}), whole run with its tail {ratio_all:.3f}   "
           f"(env latency {args.env_s} s per step; {machine})")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "machine": machine, "rows": rows, "ratio_steady": ratio, "ratio_all": ratio_all}, f, indent=1)
+        json.dump({"args": vars(args), "machine": machine, "rows": rows, "ratio_steady": ratio, "ratio_all": ratio_all,
+                   "pairs": pairs}, f, indent=1)
     return 0
 
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -199,12 +198,14 @@ class Engine(EpisodeDriver, DecodePrograms):
         return toks, lens
 
     def _run(self, fn: Any, params: Any, *host: Any, device: tuple = ()) -> Any:
-        """`fn(params, *device, *host)` with the host arrays placed replicated on this replica's mesh."""
+        """`fn(params, *device, *host)` with the host arrays placed replicated on this replica's mesh. Host values are
+        numpy arrays and scalars, passed to the jitted call as they are (or put in one `device_put`): a `jnp.asarray`
+        each cost 0.19 ms a decode call for its 7 scalars, on a 2-core CPU, where a zero-step call costs 0.5 ms."""
         if self.mesh is None:
-            return fn(params, *device, *(jnp.asarray(x) for x in host))
+            return fn(params, *device, *host)
         rep = NamedSharding(self.mesh, P())
         with jax.set_mesh(self.mesh):  # tracing needs the mesh for explicit-sharding rules (thread-local)
-            return fn(params, *device, *(jax.device_put(x, rep) for x in host))
+            return fn(params, *device, *jax.device_put(tuple(host), rep))
 
     def generate(self, requests: Sequence[Request], drain: bool = True, on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
         """Sample every request `n` times, each sample in its own environment. With drain=False, rows still in
