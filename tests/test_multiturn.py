@@ -310,3 +310,31 @@ def test_extend_rows_come_in_rungs_rounded_to_the_data_axis(model_params, tok):
                          devices=jax.devices()[:4], seed=1).engines
     assert spmd.mesh.shape["dp"] == 2
     assert [spmd.extend_rows(n) for n in range(1, 9)] == [2, 2, 4, 4, 6, 6, 8, 8]
+
+
+def test_continuations_left_after_a_full_extend_wait_for_their_own_batch(model_params, tok):
+    """While the decode batch is busy, continuations are extended max_prefill_prompts at a time: the ones left over
+    after a full batch wait (up to extend_wait_s) for the next one rather than going as a small extend of their own;
+    once their wait is up, or a slot would idle, they go."""
+    from asyncrl.inference.episodes import Continuation, Episode, Group
+    from asyncrl.rollout import Rollout
+
+    model, params = model_params
+    eng = Engine(model, params, dataclasses.replace(BASE, extend_wait_s=30.0), tok, seed=1)
+    eng._state, eng._park = eng._new_state(), eng._new_park()
+    prompt = np.asarray(tok.encode("3 1 4>"), np.int32)
+    group = Group(Rollout(prompt=Prompt(0, None, 6), prompt_tokens=prompt), [Episode(None, len(prompt)) for _ in range(6)])
+    feed = np.asarray(tok.encode("9=4>"), np.int32)
+    eng._ready = [Continuation(group, k, feed, park=k) for k in range(6)]
+    eng._free_park = [r for r in eng._free_park if r >= 6]
+    eng._in_flight = eng.B  # every slot busy: waiting costs no decode step
+    eng._launch_ready()
+    assert eng.stats.extra["extend_calls"] == 1 and eng.stats.extra["extend_rows"] == eng.P == 4
+    assert [c.k for c in eng._ready] == [4, 5] and len(eng._queue) == 4  # the two left over wait
+    eng._launch_ready()  # nothing new: they go on waiting
+    assert eng.stats.extra["extend_calls"] == 1 and len(eng._ready) == 2
+    for c in eng._ready:
+        c.ready_at -= 31.0  # their wait is up
+    eng._launch_ready()
+    assert eng.stats.extra["extend_calls"] == 2 and eng.stats.extra["extend_rows"] == 6 and not eng._ready
+    assert sorted(t[2][1] for t in eng._queue) == list(range(6))  # each continuation queued once
