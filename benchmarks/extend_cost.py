@@ -64,15 +64,15 @@ def main() -> int:
     # Baseline: one decode step of the full batch (32 live rows), in a call of its own as the engine makes it.
     prefill = engine.prefill([[1, 2, 3, 4, 5]] * engine.P)
     for i in range(engine.B):
-        engine._state, _ = engine._run(engine._decode, engine.params, np.int32(i % engine.P), np.int32(i), np.int32(0),
+        engine._state, _ = engine._run(engine._decode, np.int32(i % engine.P), np.int32(i), np.int32(0),
                                        np.uint32(i), np.int32(0), np.int32(0), np.bool_(False),
-                                       device=(engine._state, prefill))
+                                       device=(engine.params, engine._state, prefill))
 
     def decode_step() -> None:
-        engine._state, row = engine._run(engine._decode, engine.params, np.int32(-1), np.int32(-1), np.int32(0),
+        engine._state, row = engine._run(engine._decode, np.int32(-1), np.int32(-1), np.int32(0),
                                          np.uint32(0), np.int32(0), np.int32(1), np.bool_(False),
-                                         device=(engine._state, prefill))
-        jax.device_get(row.steps)
+                                         device=(engine.params, engine._state, prefill))
+        jax.device_get(row)
 
     decode_ms = median_ms(decode_step, args.reps)
     rows_out = []

@@ -11,6 +11,7 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.forcing import force_end_of_think, force_eos
 from asyncrl.inference.replicas import ReplicaSet
+from asyncrl.inference.state import FinishedRow, pack_row, unpack_row
 from asyncrl.rollout import Prompt
 
 BASE = InferenceConfig(group_size=2, max_decode_batch_size=4, max_prefill_prompts=4, max_seq_len=48,
@@ -222,3 +223,25 @@ def test_a_group_prefilled_before_a_swap_counts_its_prompt_cache_version(model_p
     assert all((c.versions == 1).all() for c in g.completions)  # every token sampled under version 1 ...
     assert g.oldest_version == 0  # ... from a prompt cache of version 0, which the lag counts
     assert all(c.prompt_version == 0 for c in g.completions)
+
+
+def test_a_finished_row_packs_into_one_vector_and_back_unchanged():
+    """The decode program hands its row to the host as one int32 vector; every field comes back bit for bit (the
+    logprobs through a bit-cast, so -0.0, tiny and NaN values too), with its flags as booleans."""
+    S = 7
+    rng = np.random.default_rng(0)
+    lp = rng.normal(size=S).astype(np.float32)
+    lp[:3] = [-0.0, np.float32(1e-42), np.nan]
+    row = FinishedRow(tokens=rng.integers(0, 1 << 20, S).astype(np.int32), logprobs=lp,
+                      forced=rng.random(S) < 0.5, versions=rng.integers(0, 9, S).astype(np.int32),
+                      prompt_len=np.int32(3), length=np.int32(6), slot=np.int32(-1), hit_length=np.bool_(True),
+                      end_of_think=np.bool_(False), steps=np.int32(11), inserted=np.bool_(True), row=np.int32(5))
+    packed = jax.jit(pack_row)(jax.tree.map(jnp.asarray, row))
+    assert packed.shape == (4 * S + 8,) and packed.dtype == jnp.int32
+    back = unpack_row(np.asarray(packed))
+    for name in ("tokens", "forced", "versions"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(row, name))
+    assert back.forced.dtype == bool
+    np.testing.assert_array_equal(back.logprobs.view(np.int32), lp.view(np.int32))
+    for name in ("prompt_len", "length", "slot", "steps", "row", "hit_length", "end_of_think", "inserted"):
+        assert getattr(back, name) == getattr(row, name) and type(getattr(back, name)) is type(getattr(row, name))

@@ -100,6 +100,25 @@ def test_a_multi_turn_trajectory_is_exactly_what_the_sampler_saw(model_params, t
     assert eng.stats.extend_time > 0 and eng.stats.parked_full == 0
 
 
+def test_multi_turn_trajectories_stay_exact_on_a_dp_x_tp_replica(model_params, tok):
+    """The whole path on a 2 x 2 mesh: a row's cache parked from a decode batch split over dp (the device that holds
+    the row hands it to all), extended, and put back; every sampled token's logprob is the trainer's."""
+    model, params = model_params
+    obs = [tok.encode("=4>"), tok.encode("ok 7>")]
+    reqs, _ = _requests(tok, obs, n_prompts=4, k=2)
+    cfg = dataclasses.replace(BASE, replica_mode="spmd", tp=2, max_parked_rows=8)  # room for every episode
+    (eng,) = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:4], seed=1).engines
+    assert eng.mesh.shape == {"dp": 2, "tp": 2}
+    out = eng.generate(reqs)
+    assert sorted(r.prompt.position for r in out) == [0, 1, 2, 3]
+    for r in out:
+        for c in r.completions:
+            assert c.n_turns == 3 and c.end_reason == "done"
+            lp = _teacher_forced(model, params, r.prompt_tokens, c, BASE.temperature)
+            np.testing.assert_allclose(c.logprobs[~c.forced], lp[~c.forced], atol=1e-4)
+    assert eng.stats.extra["park_time"] > 0 and eng.stats.parked_full == 0
+
+
 def test_a_full_park_store_falls_back_to_a_re_prefill_and_stays_exact(model_params, tok):
     model, params = model_params
     obs = [tok.encode("=4>")]

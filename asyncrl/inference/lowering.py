@@ -132,8 +132,7 @@ class AbstractPrograms:
         if not self.Q:
             raise ValueError("the park program belongs to multi-turn engines (inference.max_turns > 1)")
         i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
-        return self._lower(self._park_prog, (self.abstract_params(), self.abstract_state(), self.abstract_park(),
-                                             i32(), i32()))
+        return self._lower(self._park_prog, (self.abstract_state().kv, self.abstract_park(), i32(), i32()))
 
     def abstract_park(self) -> KVCache:
         """ShapeDtypeStructs of the park store, on its layout."""

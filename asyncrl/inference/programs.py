@@ -31,7 +31,7 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.forcing import force_end_of_think, force_eos
 from asyncrl.inference.lowering import AbstractPrograms
 from asyncrl.inference.sampling import sample
-from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row
+from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row, pack_row
 from asyncrl.models import kvcache
 from asyncrl.models.kvcache import KVCache
 from asyncrl.models.tokenizer import Tokenizer
@@ -74,8 +74,7 @@ class DecodePrograms(AbstractPrograms):
         self._prefill = jax.jit(self._prefill_fn, out_shardings=self.state_shardings(self.P, split_rows=False))
         if self.Q:
             park_sh = self.park_shardings()
-            self._park_prog = jax.jit(self._park_fn, donate_argnums=(1, 2),
-                                      out_shardings=None if state_sh is None else (state_sh, park_sh))
+            self._park_prog = jax.jit(self._park_fn, donate_argnums=(1,), out_shardings=park_sh)
             self._extend = jax.jit(self._extend_fn, out_shardings=self.state_shardings(self.P, split_rows=False))
 
     def _think_phrase(self) -> list[int]:
@@ -224,9 +223,9 @@ class DecodePrograms(AbstractPrograms):
     def _decode_and_swap(
         self, params: Any, s: DecodeState, prefill: DecodeState, p: jax.Array, slot: jax.Array, version: jax.Array,
         uid: jax.Array, k: jax.Array, max_steps: jax.Array, more: jax.Array,
-    ) -> tuple[DecodeState, FinishedRow]:
+    ) -> tuple[DecodeState, jax.Array]:
         """`p` >= 0: insert prefill row p; `more`: the host has rows waiting after it (no decode while one could fill
-        a free slot)."""
+        a free slot). Returns the state and the row taken out, packed (`state.pack_row`)."""
         want_insert = p >= 0
         row_key = jax.random.fold_in(jax.random.fold_in(s.key, uid), k)
         steps0 = s.steps
@@ -268,31 +267,30 @@ class DecodePrograms(AbstractPrograms):
                 lambda s: jax.lax.cond(any_done, lambda s: deactivate_row(s, row), lambda s: s, s),
                 s,
             )
-        return s, finished
+        return s, pack_row(finished)
 
-    def _park_fn(self, params: Any, s: DecodeState, park: KVCache, row: jax.Array, at: jax.Array
-                 ) -> tuple[DecodeState, KVCache]:
-        """Decode row `row`'s keys, values and length into park row `at` (`params` unused: the engine's calling
-        convention). Rows split over a data axis: the device holding the row slices it out, the others give zeros,
-        and a sum over the data axis hands it to every device (a masked reduction over all rows read the whole
-        decode cache: 27 GB and 9.9 ms a call for the Llama 8B preset, 0.4 ms ideal)."""
-        del params
-        sel = jnp.arange(s.active.shape[0]) == row
-        length = jnp.sum(jnp.where(sel, s.kv.length, 0))
+    def _park_fn(self, kv: KVCache, park: KVCache, row: jax.Array, at: jax.Array) -> KVCache:
+        """Decode row `row`'s keys, values and length (from the decode state's cache `kv`, only read) into park row
+        `at`. It takes the cache alone, not the weights or the whole state: each argument leaf costs the dispatch
+        time, and this program runs once per turn. Rows split over a data axis: the device holding the row slices
+        it out, the others give zeros, and a sum over the data axis hands it to every device (a masked reduction
+        over all rows read the whole decode cache: 27 GB and 9.9 ms a call for the Llama 8B preset, 0.4 ms
+        ideal)."""
+        sel = jnp.arange(kv.length.shape[0]) == row
+        length = jnp.sum(jnp.where(sel, kv.length, 0))
         spec = self._data_spec()
         if self.mesh is None or spec is None:
-            k, v = s.kv.k, s.kv.v
+            k, v = kv.k, kv.v
             take = lambda src: jax.lax.dynamic_slice_in_dim(src, row, 1, axis=1)  # noqa: E731  [L, 1, K, S, Dh]
             rows_k, rows_v = jax.tree.map(take, k), jax.tree.map(take, v)
         else:
-            rows_k, rows_v = self._row_from_split(s.kv.k, s.kv.v, row, spec)
+            rows_k, rows_v = self._row_from_split(kv.k, kv.v, row, spec)
 
         def put(dst: jax.Array, r: jax.Array) -> jax.Array:
             return jax.lax.dynamic_update_slice_in_dim(dst, r.astype(dst.dtype), at, axis=1)
 
-        park = KVCache(k=jax.tree.map(put, park.k, rows_k), v=jax.tree.map(put, park.v, rows_v),
+        return KVCache(k=jax.tree.map(put, park.k, rows_k), v=jax.tree.map(put, park.v, rows_v),
                        length=park.length.at[at].set(length))
-        return s, park
 
     def _row_from_split(self, k: Any, v: Any, row: jax.Array, spec: Any) -> tuple[Any, Any]:
         axes = (spec,) if isinstance(spec, str) else tuple(spec)

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from asyncrl.models.kvcache import KVCache
 
@@ -52,6 +53,29 @@ class FinishedRow:
     steps: Any  # [] decode steps this call ran
     inserted: Any  # [] bool: the queued sample went into a row (False when the chunk ended with every row live)
     row: Any  # [] the decode row it was taken from (a multi-turn engine parks that row's cache)
+
+
+_SCALARS = ("prompt_len", "length", "slot", "hit_length", "end_of_think", "steps", "inserted", "row")
+
+
+def pack_row(f: FinishedRow) -> jax.Array:
+    """The row as one int32 vector [4 S + 8] (logprobs bit-cast), so that the host takes it in one transfer: the
+    decode loop hands one over per call, and its twelve leaves fetched one by one cost 0.33 ms a call against 0.04
+    ms packed (a 2-core CPU; a multi-turn engine makes about one call per decode step)."""
+    vec = lambda x: jnp.reshape(x, (-1,)).astype(jnp.int32)  # noqa: E731
+    return jnp.concatenate([vec(f.tokens), jax.lax.bitcast_convert_type(f.logprobs.astype(jnp.float32), jnp.int32),
+                            vec(f.forced), vec(f.versions)] + [vec(getattr(f, n)) for n in _SCALARS])
+
+
+def unpack_row(a: np.ndarray) -> FinishedRow:
+    """`pack_row`'s vector, on the host, back into a FinishedRow of numpy values."""
+    S = (a.shape[0] - len(_SCALARS)) // 4
+    part = lambda i: a[i * S:(i + 1) * S]  # noqa: E731
+    tail = a[4 * S:]
+    flags = {"hit_length", "end_of_think", "inserted"}
+    scalars = {n: (np.bool_(tail[i]) if n in flags else np.int32(tail[i])) for i, n in enumerate(_SCALARS)}
+    return FinishedRow(tokens=part(0), logprobs=part(1).view(np.float32), forced=part(2).astype(bool),
+                       versions=part(3), **scalars)
 
 
 def _row_update(dst: jax.Array, src_row: jax.Array, row: jax.Array, axis: int) -> jax.Array:

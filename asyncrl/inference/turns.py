@@ -137,4 +137,4 @@ class EpisodeDriver:
         idx[: len(parks)] = parks
         last = np.zeros((rows,), np.int32)
         last[: len(feeds)] = [f[-1] for f in feeds]
-        return self._run(self._extend, params, idx, toks, lens, last, np.int32(version), device=(self._park,))
+        return self._run(self._extend, idx, toks, lens, last, np.int32(version), device=(params, self._park))
