@@ -5,9 +5,11 @@ each sample an episode of TURNS model turns separated by an environment step tha
 before it answers with a short observation; against the same stream decoded in one turn of TURNS x the per-turn
 budget (the baseline, same generated tokens per episode, no environment). Reported for both, over the steady
 phase: generated tokens/s, and decode-slot occupancy, as the share of the decode batch's row-steps that held a live
-row (`EngineStats.slot_steps`) and as the same share of the wall time (prefills, extends and any wait count as idle).
+row (`EngineStats.slot_steps`) and as the same share of the wall time (prefills, extends and any wait count as idle);
+and the share of the wall time the engine ran a model program for its rows (decode, extend or prefill), the rest
+being parks and host work between calls.
 
-    python benchmarks/multiturn.py [--env-s 0.5] [--seconds 30] [--pairs 3] [--turns 3] [--tokens-per-turn 32] [--parked 512]
+    python benchmarks/multiturn.py [--env-s 0.5] [--seconds 30] [--pairs 5] [--turns 3] [--tokens-per-turn 32] [--parked 512]
 
 Writes benchmarks/results/multiturn_<model>.json.
 """
@@ -80,6 +82,7 @@ def run(engine: Engine, make_requests: Callable[[int, int], list[Request]], seco
             "steady_slots_busy_steps": steady["slot_steps"] / max(1, steady["decode_steps"] * B),
             "steady_slots_busy_time": steady["slot_time"] / (B * span),
             "steady_decode_share": steady["decode_time"] / span, "steady_extend_share": steady["extend_time"] / span,
+            "steady_model_share": (steady["decode_time"] + steady["extend_time"] + steady["prefill_time"]) / span,
             "steady_prefill_share": steady["prefill_time"] / span, "steady_re_prefills": float(steady["parked_full"]),
             "steady_park_share": steady["park_time"] / span, "steady_decode_calls_per_s": steady["calls"] / span,
             "steady_steps_per_call": steady["decode_steps"] / max(1, steady["calls"]),
@@ -95,7 +98,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--env-s", type=float, default=0.5)
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--pairs", type=int, default=3, help="multi-turn and single-turn runs, alternating (ABBA)")
+    ap.add_argument("--pairs", type=int, default=5, help="multi-turn and single-turn runs, alternating (ABBA)")
     ap.add_argument("--warm-s", type=float, default=8.0)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
@@ -106,9 +109,11 @@ def main() -> int:
     ap.add_argument("--model", default="tiny", choices=["tiny", "small"],
                     help="tiny: the 2-layer test model (per-call overhead dominates); small: 8 layers x 512 wide, "
                          "where a decode step costs what it costs a real model relative to the host's per-call work")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/multiturn_<model>.json")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/multiturn_<model>.json, with "
+                                                "_<N>tok before .json when --tokens-per-turn is not 32")
     args = ap.parse_args()
-    args.out = args.out or os.path.join(os.path.dirname(__file__), "results", f"multiturn_{args.model}.json")
+    tag = "" if args.tokens_per_turn == 32 else f"_{args.tokens_per_turn}tok"
+    args.out = args.out or os.path.join(os.path.dirname(__file__), "results", f"multiturn_{args.model}{tag}.json")
 
     cfg = preset("tiny")
     if args.model == "small":
@@ -172,13 +177,13 @@ def main() -> int:
     machine = host_machine()
     machine["devices"] = str(jax.devices()[0])
     print(f"{'':16}{'steady s':>9}{'tok/s':>8}{'busy(steps)':>12}{'busy(time)':>11}{'decode':>8}{'extend':>8}"
-          f"{'prefill':>8}{'re-prefill':>11} |{'wall s':>8}{'episodes':>9}{'tokens':>8}{'tok/s':>8}{'turns':>6}")
+          f"{'prefill':>8}{'model':>7}{'re-prefill':>11} |{'wall s':>8}{'episodes':>9}{'tokens':>8}{'tok/s':>8}{'turns':>6}")
     for i, pair in enumerate(pairs):
         for name in ("multi_turn", "single_turn"):
             r = pair[name]
             print(f"{i} {name:14}{r['steady_s']:9.2f}{r['steady_tokens_per_s']:8.0f}{r['steady_slots_busy_steps']:12.3f}"
                   f"{r['steady_slots_busy_time']:11.3f}{r['steady_decode_share']:8.3f}{r['steady_extend_share']:8.3f}"
-                  f"{r['steady_prefill_share']:8.3f}{r['steady_re_prefills']:11.0f} |{r['wall_s']:8.2f}"
+                  f"{r['steady_prefill_share']:8.3f}{r['steady_model_share']:7.3f}{r['steady_re_prefills']:11.0f} |{r['wall_s']:8.2f}"
                   f"{r['episodes']:9.0f}{r['generated_tokens']:8.0f}{r['tokens_per_s']:8.0f}{r['turns_mean']:6.2f}")
         r = pair["multi_turn"]
         print(f"{i} multi_turn     decode calls/s {r['steady_decode_calls_per_s']:.1f}, steps/call "
