@@ -126,7 +126,6 @@ class Engine(EpisodeDriver, DecodePrograms):
         self._slots: dict[int, tuple[Group, int]] = {}
         self._in_flight = 0
         self._state: DecodeState | None = None
-        self._pending_rows: list[tuple[FinishedRow, int]] = []  # (row, the park row its cache went to or -1)
         self._queue: collections.deque[tuple[DecodeState, int, tuple[Group, int]]] = collections.deque()
         self._stepping: list[tuple[Future, Group, int, int, bool]] = []  # (step, group, sample, park row, last)
         self._ready: list[Continuation] = []
@@ -332,8 +331,7 @@ class Engine(EpisodeDriver, DecodePrograms):
                 self._park = self._run(self._park_prog, row.row, np.int32(park_at),
                                        device=(self._state.kv, self._park))
                 self.stats.extra["park_time"] = self.stats.extra.get("park_time", 0.0) + time.perf_counter() - t1
-            self._pending_rows.append((row, park_at))
-            self._collect()
+            self._collect(row, park_at)
         return target is None or (not defer and bool(inserted))
 
     def _dummy_prefill(self) -> DecodeState:
@@ -341,37 +339,28 @@ class Engine(EpisodeDriver, DecodePrograms):
             self._dummy = self.prefill([[self.pad_id]])
         return self._dummy
 
-    def _collect(self) -> None:
-        """The finished rows (on the host already): each is a model turn of its episode, handed to the episode's
-        environment (or, with none, the end of it)."""
-        if not self._pending_rows:
-            return
-        rows = [r for r, _ in self._pending_rows]
-        parks = [at for _, at in self._pending_rows]
-        self._pending_rows = []
+    def _collect(self, r: FinishedRow, park: int) -> None:
+        """A finished row (on the host already, `park` the park row its cache went to or -1): a model turn of its
+        episode, handed to the episode's environment (or, with none, the end of it)."""
         t0 = time.perf_counter()
-        for r, park in zip(rows, parks):
-            slot = int(r.slot)
-            if slot < 0:
-                continue
-            group, k = self._slots.pop(slot)
-            ep = group.episodes[k]
-            pl, n = int(r.prompt_len), int(r.length)
-            toks = np.asarray(r.tokens[pl:n], np.int32)
-            text = self.tokenizer.decode(toks[:-1] if len(toks) and toks[-1] == self.eos_id else toks) \
-                if self.tokenizer else ""
-            finish = "length" if bool(r.hit_length) else ("stop" if self._ends_with_stop(toks) else "eos")
-            if ep.turn == 0:
-                ep.prompt_version = int(r.versions[0])
-            ep.add_turn(toks, np.asarray(r.logprobs[pl:n], np.float32), np.asarray(r.forced[pl:n], bool),
-                        np.asarray(r.versions[pl:n], np.int32), text, finish, bool(r.end_of_think))
-            self.stats.finished += 1
-            self.stats.generated_tokens += len(toks)
-            if ep.env is None:
-                self._release(park)
-                ep.end(None)
-                self._maybe_emit(group)
-                continue
+        group, k = self._slots.pop(int(r.slot))
+        ep = group.episodes[k]
+        pl, n = int(r.prompt_len), int(r.length)
+        toks = np.asarray(r.tokens[pl:n], np.int32)
+        text = self.tokenizer.decode(toks[:-1] if len(toks) and toks[-1] == self.eos_id else toks) \
+            if self.tokenizer else ""
+        finish = "length" if bool(r.hit_length) else ("stop" if self._ends_with_stop(toks) else "eos")
+        if ep.turn == 0:
+            ep.prompt_version = int(r.versions[0])
+        ep.add_turn(toks, np.asarray(r.logprobs[pl:n], np.float32), np.asarray(r.forced[pl:n], bool),
+                    np.asarray(r.versions[pl:n], np.int32), text, finish, bool(r.end_of_think))
+        self.stats.finished += 1
+        self.stats.generated_tokens += len(toks)
+        if ep.env is None:
+            self._release(park)
+            ep.end(None)
+            self._maybe_emit(group)
+        else:
             last = ep.turn >= self.cfg.max_turns or n >= self.S - 1
             turn = Turn(toks, text, ep.turn - 1, finish, last)
             self._stepping.append((self._step(ep, turn), group, k, park, last))
