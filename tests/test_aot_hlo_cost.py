@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from asyncrl.aot.hlo_cost import Loop, analyze, analyze_hlo, dtype_bytes, largest_buffers, parse_hlo, parse_shape
+from asyncrl.aot.hlo_cost import Loop, analyze, analyze_hlo
+from asyncrl.aot.hlo_text import dtype_bytes, largest_buffers, parse_hlo, parse_shape
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu's lock file would refuse a second process
 

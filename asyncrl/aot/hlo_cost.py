@@ -51,19 +51,17 @@ code that opens the scope states the loop's largest trip count (cached attention
 stops at the longest live row: n = blocks in the whole cache, see `models/attention.py`), so the figures stay an
 upper bound per call. Such loops are named in `assumed_trip_counts`. Any other loop whose trip count cannot be
 read is weighted 1 and named in `unknown_trip_counts`.
-
-One file on purpose, past the usual ~400 lines: the HLO parser, the loop weighting and the per-op counting rules
-share one instruction model, and each rule above is only checkable next to the parsing it depends on.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from asyncrl.aot.kernel_cost import FLASH_KERNEL, flash_cost, mxu_passes
+from asyncrl.aot.hlo_text import Computation, Instr, Leaf, dtype_bytes, parse_hlo
+from asyncrl.aot.kernel_cost import FLASH_KERNEL, conv_macs, flash_cost, mxu_passes
 
 _METADATA_OPS = frozenset("parameter get-tuple-element tuple constant bitcast after-all partition-id replica-id "
                           "opt-barrier add-dependency domain".split())
@@ -76,24 +74,10 @@ _ELEMENTWISE_OPS = frozenset(
 _COLLECTIVES = frozenset("all-gather all-reduce reduce-scatter all-to-all collective-permute collective-broadcast "
                          "ragged-all-to-all".split())
 _SLICING_OPS = frozenset({"slice", "dynamic-slice", "gather"})
-# Outputs that alias another buffer, so that largest_buffers names each buffer once.
-_ALIASING_OPS = frozenset("get-tuple-element tuple bitcast while conditional call opt-barrier constant".split())
 
-_LEAF = re.compile(r"([a-z][a-z0-9]*)\[([0-9,\s]*)\](?:\{([^}]*)\})?")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _WORST_CASE = re.compile(r'op_name="[^"]*worst_case_trips_(\d+)/while"')
 _FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
-
-
-class Leaf(NamedTuple):
-    """One array of a (possibly tuple) HLO type."""
-
-    dtype: str
-    dims: tuple[int, ...]
-    memory_space: int
-    bytes: float  # with tile padding
 
 
 class Loop(NamedTuple):
@@ -119,168 +103,6 @@ class ProgramCost:
     assumed_trip_counts: tuple[str, ...] = ()  # data-dependent loops weighted by their scope's stated worst case
 
 
-def dtype_bytes(dtype: str) -> float:
-    """Bytes of one element: bf16 2, s4 0.5, f8e4m3fn 1, pred 1, token 0."""
-    m = re.match(r"[a-z]+?(\d+)", dtype)
-    return 1.0 if dtype == "pred" else int(m.group(1)) / 8 if m else 0.0
-
-
-def parse_shape(type_str: str) -> list[Leaf]:
-    """The arrays of an HLO type such as `(s32[], bf16[8,128]{1,0:T(8,128)(2,1)S(1)})`, in order."""
-    leaves = []
-    for dtype, dims_str, layout in _LEAF.findall(type_str):
-        dims = tuple(int(d) for d in dims_str.replace(" ", "").split(",") if d)
-        space = re.search(r"S\((\d+)\)", layout)
-        leaves.append(Leaf(dtype, dims, int(space.group(1)) if space else 0,
-                           _padded_elements(dims, layout) * dtype_bytes(dtype)))
-    return leaves
-
-
-def _padded_elements(dims: tuple[int, ...], layout: str) -> int:
-    tile = re.search(r"T\(([\d,]*)\)", layout)
-    minor_to_major = [int(d) for d in layout.split(":")[0].split(",") if d.strip().isdigit()]
-    if not tile or len(minor_to_major) != len(dims):  # no tiling, or tile dims we do not model (`*`, `?`)
-        return math.prod(dims)
-    tile_dims = [int(t) for t in tile.group(1).split(",") if t]
-    physical = [dims[d] for d in reversed(minor_to_major)]
-    physical = [1] * max(0, len(tile_dims) - len(physical)) + physical
-    for i, t in enumerate(reversed(tile_dims)):
-        physical[-1 - i] = -(-physical[-1 - i] // t) * t
-    return math.prod(physical)
-
-
-@dataclass
-class Instr:
-    name: str
-    type_str: str
-    op: str
-    operands: list[str]
-    operand_text: str
-    attrs: str
-
-    @property
-    def leaves(self) -> list[Leaf]:
-        return parse_shape(self.type_str)
-
-    def called(self, key: str) -> str | None:
-        m = re.search(rf"\b{key}=%?([\w.\-]+)", self.attrs)
-        return m.group(1) if m else None
-
-    def callees(self) -> list[str]:
-        """Computations this instruction runs as code of the executed program (not per-element appliers)."""
-        if self.op == "while":
-            return [self.called("body"), self.called("condition")]
-        if self.op == "conditional":
-            branches = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
-            return re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else \
-                [self.called("true_computation"), self.called("false_computation")]
-        if self.op in ("call", "async-start"):
-            return [self.called("to_apply") or self.called("calls")]
-        return []
-
-
-@dataclass
-class Computation:
-    name: str
-    is_entry: bool
-    instrs: dict[str, Instr] = field(default_factory=dict)
-    root: Instr | None = None
-    _users: dict[str, list[tuple[Instr, int]]] | None = None
-
-    def users(self, name: str) -> list[tuple[Instr, int]]:
-        """(user, operand index) pairs of the instruction `name`."""
-        if self._users is None:
-            self._users = {}
-            for i in self.instrs.values():
-                for k, o in enumerate(i.operands):
-                    self._users.setdefault(o, []).append((i, k))
-        return self._users.get(name, [])
-
-    def param(self, index: int) -> Instr | None:
-        return next((i for i in self.instrs.values() if i.op == "parameter" and i.operand_text == str(index)), None)
-
-
-def _window_taps(out: int, inp: int, size: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
-    """Sum over output positions of the window taps that land on a real input element (not padding, not a hole
-    of lhs dilation)."""
-    import numpy as np
-
-    w = np.arange(size) * rhs_dil
-    total = 0
-    for start in range(0, out, max(1, (1 << 22) // max(size, 1))):  # bounded temporaries for long windows
-        o = np.arange(start, min(out, start + max(1, (1 << 22) // max(size, 1))))[:, None] * stride
-        pos = o + w[None, :] - pad_lo
-        total += int(np.count_nonzero((pos >= 0) & (pos <= (inp - 1) * lhs_dil) & (pos % lhs_dil == 0)))
-    return total
-
-
-def _conv_macs(ins: "Instr", lhs: tuple[int, ...], rhs: tuple[int, ...]) -> float:
-    """Multiply-adds of a convolution: output batch x output features x kernel input features x, per spatial dim,
-    the window taps that hit real input. TPU lowers batched matmuls to convolutions whose batch dims are spatial
-    dims with a window as wide as the dim, padded so that only one tap is real: counting the whole window (or
-    the padding) would over-count those by the dim's size."""
-    lab = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
-    lhs_l, rhs_l, out_l = lab.group(1), lab.group(2), lab.group(3)
-    out = ins.leaves[0].dims
-    macs = float(out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")])
-    spatial = sorted(c for c in out_l if c.isdigit())
-    win = re.search(r"window=\{([^}]*)\}", ins.attrs)
-    fields = dict(f.split("=", 1) for f in win.group(1).split()) if win else {}
-
-    def per_dim(key: str, default: int) -> list[int]:
-        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * len(spatial)
-
-    size, stride = per_dim("size", 1), per_dim("stride", 1)
-    lhs_dil, rhs_dil = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
-    pads = [int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields else [0] * len(spatial)
-    for i, d in enumerate(spatial):
-        macs *= _window_taps(out[out_l.index(d)], lhs[lhs_l.index(d)], size[i], stride[i], pads[i], lhs_dil[i],
-                             rhs_dil[i])
-    return macs
-
-
-def _balanced(text: str, start: int) -> int:
-    """Index just past the parenthesis that closes the one at `start`; -1 if none does."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i + 1
-    return -1
-
-
-def parse_hlo(hlo_text: str) -> dict[str, Computation]:
-    """Computations by name, from `compiled.as_text()` or any HLO module text."""
-    comps: dict[str, Computation] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        if current is None:
-            m = _HEADER.match(line)
-            if m and not line.startswith("HloModule"):
-                current = comps.setdefault(m.group(2), Computation(m.group(2), bool(m.group(1))))
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        m = _INSTR.match(line)
-        rest = line[m.end():] if m else ""
-        end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
-        op = re.match(r"\s*([\w\-]+)\(", rest[end:]) if end > 0 else None
-        if not op:
-            continue
-        close = _balanced(rest, end + op.end() - 1)
-        if close < 0:  # a line we cannot read moves nothing, rather than failing the whole analysis
-            continue
-        operand_text = rest[end + op.end():close - 1].strip()
-        ins = Instr(m.group(2), rest[:end], op.group(1), re.findall(r"%([\w.\-]+)", operand_text), operand_text,
-                    rest[close:])
-        current.instrs[ins.name] = ins
-        if m.group(1):
-            current.root = ins
-    for comp in comps.values():
-        if comp.root is None and comp.instrs:
-            comp.root = list(comp.instrs.values())[-1]
-    return comps
 
 
 class _Acc:
@@ -324,7 +146,7 @@ class _Analyzer:
             if ins.op == "dot" and lhs and contracting:
                 k = math.prod(lhs[0].dims[int(d)] for d in contracting.group(1).split(",") if d.strip())
             elif ins.op == "convolution" and lhs and rhs and labels:
-                return passes * 2.0 * _conv_macs(ins, lhs[0].dims, rhs[0].dims), 0.0, 0.0
+                return passes * 2.0 * conv_macs(ins.attrs, ins.leaves[0].dims, lhs[0].dims, rhs[0].dims), 0.0, 0.0
             else:
                 k = 1
             return passes * 2.0 * out * k, 0.0, 0.0
@@ -557,27 +379,3 @@ def analyze_hlo(hlo_text: str) -> ProgramCost:
 def analyze(compiled: Any) -> ProgramCost:
     """`analyze_hlo` of a `jax.stages.Compiled`, from `jax.jit(f).lower(...).compile()`."""
     return analyze_hlo(compiled.as_text())
-
-
-def largest_buffers(hlo_text: str, n: int = 5) -> list[tuple[str, str, float]]:
-    """The `n` largest HBM buffers made by instructions of executed computations, as (name, type, bytes).
-
-    Fusion insides are not buffers. Aliases (get-tuple-element, tuple, bitcast, while, a -start's tuple, ...)
-    are skipped so that each buffer is named once, by what makes it. Entry parameters count: they are the
-    weights and optimizer state that an out-of-memory message should name.
-    """
-    a = _Analyzer(hlo_text)
-    seen, todo, out = set(), [a.entry.name], []
-    while todo:
-        comp = a.comps.get(todo.pop())
-        if comp is None or comp.name in seen:
-            continue
-        seen.add(comp.name)
-        for ins in comp.instrs.values():
-            todo += [c for c in ins.callees() if c]
-            if ins.op in _ALIASING_OPS or ins.op.endswith("-start") or (ins.op == "parameter" and not comp.is_entry):
-                continue
-            hbm = sum(leaf.bytes for leaf in ins.leaves if leaf.memory_space == 0)
-            if hbm:
-                out.append((ins.name, ins.type_str, hbm))
-    return sorted(out, key=lambda t: -t[2])[:n]

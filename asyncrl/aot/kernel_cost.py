@@ -1,10 +1,13 @@
-"""What the MXU really runs where XLA's own count is wrong: f32 dots split into bf16 passes, and JAX's Pallas
+"""What the MXU really runs where XLA's own count is wrong: f32 dots split into bf16 passes, the convolutions TPU
+lowers batched matmuls to (a window as wide as a batch dim, padded so that one tap is real), and JAX's Pallas
 flash-attention kernels, whose declared costs are not what they execute. `hlo_cost.py` applies these rules to the
 instructions it walks; each is tested against a hand count (`tests/test_aot_hlo_cost.py`)."""
 
 from __future__ import annotations
 
 import re
+
+import numpy as np
 
 from asyncrl.models.flash import block_size
 
@@ -16,6 +19,42 @@ def mxu_passes(attrs: str, lhs_dtype: str, rhs_dtype: str) -> int:
     if not prec or "f32" not in (lhs_dtype, rhs_dtype):
         return 1
     return {"high": 3, "highest": 6}.get(prec.group(1).lower(), 1)
+
+
+def _window_taps(out: int, inp: int, size: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
+    """Sum over output positions of the window taps that land on a real input element (not padding, not a hole
+    of lhs dilation)."""
+    w = np.arange(size) * rhs_dil
+    total = 0
+    for start in range(0, out, max(1, (1 << 22) // max(size, 1))):  # bounded temporaries for long windows
+        o = np.arange(start, min(out, start + max(1, (1 << 22) // max(size, 1))))[:, None] * stride
+        pos = o + w[None, :] - pad_lo
+        total += int(np.count_nonzero((pos >= 0) & (pos <= (inp - 1) * lhs_dil) & (pos % lhs_dil == 0)))
+    return total
+
+
+def conv_macs(attrs: str, out: tuple[int, ...], lhs: tuple[int, ...], rhs: tuple[int, ...]) -> float:
+    """Multiply-adds of a convolution: output batch x output features x kernel input features x, per spatial dim,
+    the window taps that hit real input. TPU lowers batched matmuls to convolutions whose batch dims are spatial
+    dims with a window as wide as the dim, padded so that only one tap is real: counting the whole window (or
+    the padding) would over-count those by the dim's size."""
+    lab = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attrs)
+    lhs_l, rhs_l, out_l = lab.group(1), lab.group(2), lab.group(3)
+    macs = float(out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")])
+    spatial = sorted(c for c in out_l if c.isdigit())
+    win = re.search(r"window=\{([^}]*)\}", attrs)
+    fields = dict(f.split("=", 1) for f in win.group(1).split()) if win else {}
+
+    def per_dim(key: str, default: int) -> list[int]:
+        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * len(spatial)
+
+    size, stride = per_dim("size", 1), per_dim("stride", 1)
+    lhs_dil, rhs_dil = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    pads = [int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields else [0] * len(spatial)
+    for i, d in enumerate(spatial):
+        macs *= _window_taps(out[out_l.index(d)], lhs[lhs_l.index(d)], size[i], stride[i], pads[i], lhs_dil[i],
+                             rhs_dil[i])
+    return macs
 
 
 # JAX's Pallas TPU flash-attention kernels (`jax.experimental.pallas.ops.tpu.flash_attention`), by instruction name:

@@ -100,7 +100,7 @@ def _parse_oom(msg: str) -> tuple[float, float] | None:
 
 def compile_row(program: Any, topology: str) -> Row:
     """Compile one program and read its figures; a program that does not fit gives fits=False, not an exception."""
-    from asyncrl.aot import hlo_cost
+    from asyncrl.aot import hlo_cost, hlo_text
 
     _, chip, hbm = chip_of(topology)
     row = Row(program.name, topology, program.role, program.chips, program.per, program.tokens, program.seq_len, True,
@@ -117,7 +117,7 @@ def compile_row(program: Any, topology: str) -> Row:
         parsed = _parse_oom(str(e))
         if parsed:
             row.peak_bytes_per_chip = parsed[0]
-        row.largest_buffers = hlo_cost.largest_buffers(_oom_hlo(lowered), 5)
+        row.largest_buffers = hlo_text.largest_buffers(_oom_hlo(lowered), 5)
         return row
     row.compile_s = time.perf_counter() - t0
     m = compiled.memory_analysis()
@@ -135,7 +135,7 @@ def compile_row(program: Any, topology: str) -> Row:
     row.ideal_s = max(program.ideal_flops / chip.flops, program.ideal_bytes / chip.bandwidth)
     row.ratio = row.ideal_s / row.roofline_s if row.roofline_s else 0.0
     if not row.fits:
-        row.largest_buffers = hlo_cost.largest_buffers(text, 5)
+        row.largest_buffers = hlo_text.largest_buffers(text, 5)
     return row
 
 
