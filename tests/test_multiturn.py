@@ -331,6 +331,30 @@ def test_extend_rows_come_in_rungs_rounded_to_the_data_axis(model_params, tok):
     assert [spmd.extend_rows(n) for n in range(1, 9)] == [2, 2, 4, 4, 6, 6, 8, 8]
 
 
+def test_continuations_do_not_wait_while_the_park_store_is_nearly_full(model_params, tok):
+    """A waiting continuation holds its park row. With fewer than max_prefill_prompts park rows free, the ready ones
+    are extended at once, however long they may wait: a turn that ended meanwhile would find no room and re-prefill
+    its whole history."""
+    from asyncrl.inference.episodes import Continuation, Episode, Group
+    from asyncrl.rollout import Rollout
+
+    model, params = model_params
+    eng = Engine(model, params, dataclasses.replace(BASE, extend_wait_s=30.0, max_parked_rows=8), tok, seed=1)
+    eng._state, eng._park = eng._new_state(), eng._new_park()
+    prompt = np.asarray(tok.encode("3 1 4>"), np.int32)
+    group = Group(Rollout(prompt=Prompt(0, None, 2), prompt_tokens=prompt), [Episode(None, len(prompt)) for _ in range(2)])
+    feed = np.asarray(tok.encode("9=4>"), np.int32)
+    eng._in_flight = eng.B  # every slot busy: a wait would cost no decode step
+    eng._ready = [Continuation(group, k, feed, park=k) for k in range(2)]
+    eng._free_park = [r for r in range(eng.Q) if r >= 2][: eng.P]  # exactly P free: room to wait
+    eng._launch_ready()
+    assert "extend_calls" not in eng.stats.extra and len(eng._ready) == 2
+    eng._free_park.pop()  # one fewer than P free: they go now
+    eng._launch_ready()
+    assert eng.stats.extra["extend_calls"] == 1 and eng.stats.extra["extend_rows"] == 2 and not eng._ready
+    assert sorted(eng._free_park)[:2] == [0, 1]  # their park rows are free again
+
+
 def test_continuations_left_after_a_full_extend_wait_for_their_own_batch(model_params, tok):
     """While the decode batch is busy, continuations are extended max_prefill_prompts at a time: the ones left over
     after a full batch wait (up to extend_wait_s) for the next one rather than going as a small extend of their own;

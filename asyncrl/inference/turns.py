@@ -97,9 +97,12 @@ class EpisodeDriver:
         decode batch full (queued rows, no free slot), continuations wait up to `inference.extend_wait_s` to be
         extended P at a time rather than one by one (measured: 2.5 rows a call cost 21% of a replica's time).
         The wait is per batch: after a full batch of P goes, the rest wait again (their own time) unless a slot would
-        idle; flushing them with it made a third of the extends one-row calls when continuations came in bursts."""
+        idle; flushing them with it made a third of the extends one-row calls when continuations came in bursts.
+        Waiting rows hold their park rows, so nothing waits while fewer than P park rows are free: a turn that ends
+        meanwhile must find room, or its episode goes on by a prefill of its whole history."""
         while self._ready:
             if len(self._ready) < self.P and (self._queue or self._in_flight >= self.B) \
+                    and len(self._free_park) >= self.P \
                     and time.monotonic() - self._ready[0].ready_at < self.cfg.extend_wait_s:
                 return
             batch, self._ready = self._ready[: self.P], self._ready[self.P :]
