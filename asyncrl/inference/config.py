@@ -63,7 +63,7 @@ class InferenceConfig:
     slot busy. It never waits when a slot would idle, nor when the park store has fewer than max_prefill_prompts
     free rows (the turns that end meanwhile would find it full and re-prefill). 0: extend at once. Measured on a
     2-core CPU, 3-turn episodes of 32-token turns, a 0.5 s environment: 0.2 s gave 6.3-6.6 rows an extend, 0.5 s
-    gave 8 (full) and 4-9% more tokens/s, alternating runs."""
+    gave 7.9-8.0 (full) and 4-23% more tokens/s in three alternating pairs of runs."""
     env_workers: Optional[int] = None
     """Threads that run environment steps (tools, games, the verifier) off the decode thread. None: one per row that
     can wait on its environment at once (the park store plus the decode batch, at least 16), so a slow step queues
