@@ -66,12 +66,14 @@ def main() -> int:
     for i in range(engine.B):
         engine._state, _ = engine._run(engine._decode, np.int32(i % engine.P), np.int32(i), np.int32(0),
                                        np.uint32(i), np.int32(0), np.int32(0), np.bool_(False),
-                                       device=(engine.params, engine._state, prefill))
+                                       np.int32(-1), np.zeros((engine.F,), np.int32), np.int32(0),
+                                       device=(engine.params, engine._state, prefill, engine._park))
 
     def decode_step() -> None:
         engine._state, row = engine._run(engine._decode, np.int32(-1), np.int32(-1), np.int32(0),
                                          np.uint32(0), np.int32(0), np.int32(1), np.bool_(False),
-                                         device=(engine.params, engine._state, prefill))
+                                         np.int32(-1), np.zeros((engine.F,), np.int32), np.int32(0),
+                                         device=(engine.params, engine._state, prefill, engine._park))
         jax.device_get(row)
 
     decode_ms = median_ms(decode_step, args.reps)

@@ -4,10 +4,11 @@ The engine alone (no Ray, no trainer): the tiny model fed a stream of prompts th
 each sample an episode of TURNS model turns separated by an environment step that sleeps ENV_S (a tool, a game)
 before it answers with a short observation; against the same stream decoded in one turn of TURNS x the per-turn
 budget (the baseline, same generated tokens per episode, no environment). Reported for both, over the steady
-phase: generated tokens/s, and decode-slot occupancy, as the share of the decode batch's row-steps that held a live
-row (`EngineStats.slot_steps`) and as the same share of the wall time (prefills, extends and any wait count as idle);
-and the share of the wall time the engine ran a model program for its rows (decode, extend or prefill), the rest
-being parks and host work between calls.
+phase: generated tokens/s (sampled tokens only: a decode step that feeds an observation token generates none), and
+decode-slot occupancy, as the share of the decode batch's row-steps that held a live row (`EngineStats.slot_steps`)
+and as the same share of the wall time (prefills, extends and any wait count as idle), and of that time the share
+spent sampling rather than feeding observations; and the share of the wall time the engine ran a model program for
+its rows (decode, extend or prefill), the rest being parks and host work between calls.
 
     python benchmarks/multiturn.py [--env-s 0.5] [--seconds 30] [--pairs 5] [--turns 3] [--tokens-per-turn 32] [--parked 512]
 
@@ -62,6 +63,7 @@ def run(engine: Engine, make_requests: Callable[[int, int], list[Request]], seco
     prompt is always waiting for a free slot, as in a run whose feeder never runs dry; the drain, where the last
     episodes wait on their environments with nothing to replace them, is only in the whole-run figures."""
     s0 = dict(vars(engine.stats))
+    s0["extra"] = dict(engine.stats.extra)
     t0 = time.perf_counter()
     out, fed, marks = [], 0, []
     while time.perf_counter() - t0 < seconds:
@@ -73,14 +75,19 @@ def run(engine: Engine, make_requests: Callable[[int, int], list[Request]], seco
     out += engine.generate([], drain=True)
     wall = time.perf_counter() - t0
     s, B = vars(engine.stats), engine.B
+    fed_all = engine.stats.extra.get("fed_tokens", 0) - s0["extra"].get("fed_tokens", 0)
+    generated = s["slot_steps"] - s0["slot_steps"] - fed_all  # sampled tokens
     span = max(w1[0] - w0[0], 1e-9)
     steady = {k: w1[1].get(k, 0) - w0[1].get(k, 0) for k in (
         "slot_steps", "slot_time", "decode_steps", "decode_time", "extend_time", "prefill_time", "parked_full",
-        "calls", "extend_calls", "extend_rows", "park_time")}
+        "calls", "extend_calls", "extend_rows", "park_time", "fed_tokens")}
+    sampled = steady["slot_steps"] - steady["fed_tokens"]  # row-steps that sampled a token
     comps = [c for r in out for c in r.completions]
-    return {"steady_s": span, "steady_tokens_per_s": steady["slot_steps"] / span,  # one token per live row-step
+    return {"steady_s": span, "steady_tokens_per_s": sampled / span,
             "steady_slots_busy_steps": steady["slot_steps"] / max(1, steady["decode_steps"] * B),
             "steady_slots_busy_time": steady["slot_time"] / (B * span),
+            "steady_slots_sampling_time": steady["slot_time"] / (B * span) * sampled / max(1, steady["slot_steps"]),
+            "steady_fed_share": steady["fed_tokens"] / max(1, steady["slot_steps"]),
             "steady_decode_share": steady["decode_time"] / span, "steady_extend_share": steady["extend_time"] / span,
             "steady_model_share": (steady["decode_time"] + steady["extend_time"] + steady["prefill_time"]) / span,
             "steady_prefill_share": steady["prefill_time"] / span, "steady_re_prefills": float(steady["parked_full"]),
@@ -88,8 +95,8 @@ def run(engine: Engine, make_requests: Callable[[int, int], list[Request]], seco
             "steady_steps_per_call": steady["decode_steps"] / max(1, steady["calls"]),
             "steady_extend_calls_per_s": steady["extend_calls"] / span,
             "steady_extend_rows_per_call": steady["extend_rows"] / max(1, steady["extend_calls"]),
-            "wall_s": wall, "generated_tokens": float(s["slot_steps"] - s0["slot_steps"]),
-            "tokens_per_s": (s["slot_steps"] - s0["slot_steps"]) / wall,
+            "wall_s": wall, "generated_tokens": float(generated),
+            "tokens_per_s": generated / wall,
             "episodes": float(len(comps)), "turns_mean": float(np.mean([c.n_turns for c in comps])),
             "env_s": s["env_time"] - s0["env_time"]}
 
@@ -106,6 +113,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--parked", type=int, default=512)
     ap.add_argument("--extend-wait-s", type=float, default=InferenceConfig.extend_wait_s)
+    ap.add_argument("--decode-feed-tokens", type=int, default=InferenceConfig.decode_feed_tokens,
+                    help="continuations of at most this many tokens are fed by decode steps; 0: all through extend")
     ap.add_argument("--model", default="tiny", choices=["tiny", "small"],
                     help="tiny: the 2-layer test model (per-call overhead dominates); small: 8 layers x 512 wide, "
                          "where a decode step costs what it costs a real model relative to the host's per-call work")
@@ -131,7 +140,8 @@ def main() -> int:
     # Multi-turn: TURNS turns of per_turn tokens (+ EOS slot), an observation between them. Single-turn: one turn of
     # the same total, so both generate the same tokens per episode.
     multi_cfg = InferenceConfig(**base, max_seq_len=seq, max_turns=args.turns, max_new_tokens=per_turn,
-                                max_parked_rows=args.parked, extend_wait_s=args.extend_wait_s)
+                                max_parked_rows=args.parked, extend_wait_s=args.extend_wait_s,
+                                decode_feed_tokens=args.decode_feed_tokens)
     single_cfg = InferenceConfig(**base, max_seq_len=seq, max_turns=1, max_new_tokens=args.turns * (per_turn + 1) - 1)
     # A random model samples this EOS about 1 token in 128: turns end mostly at their budget (max_new_tokens).
     eos = model.cfg.vocab_size - 1
@@ -186,7 +196,9 @@ def main() -> int:
                   f"{r['steady_prefill_share']:8.3f}{r['steady_model_share']:7.3f}{r['steady_re_prefills']:11.0f} |{r['wall_s']:8.2f}"
                   f"{r['episodes']:9.0f}{r['generated_tokens']:8.0f}{r['tokens_per_s']:8.0f}{r['turns_mean']:6.2f}")
         r = pair["multi_turn"]
-        print(f"{i} multi_turn     decode calls/s {r['steady_decode_calls_per_s']:.1f}, steps/call "
+        print(f"{i} multi_turn     sampling (time) {r['steady_slots_sampling_time']:.3f}, row-steps feeding "
+              f"observations {r['steady_fed_share']:.3f}, decode calls/s {r['steady_decode_calls_per_s']:.1f}, "
+              f"steps/call "
               f"{r['steady_steps_per_call']:.2f}, park share {r['steady_park_share']:.3f}, extend calls/s "
               f"{r['steady_extend_calls_per_s']:.1f} x {r['steady_extend_rows_per_call']:.1f} rows; "
               f"multi / single steady {pair['ratio_steady']:.3f}")

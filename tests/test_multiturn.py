@@ -65,14 +65,30 @@ def _teacher_forced(model, params, prompt, completion, temperature):
     return np.asarray(lp)[0, len(prompt) - 1:]  # the logprob of completion token t sits at index t
 
 
-def test_a_multi_turn_trajectory_is_exactly_what_the_sampler_saw(model_params, tok):
+def _feed_config(cfg, path, obs):
+    """`path`: how continuations go back in. 'decode': every one fed by decode steps; 'extend': every one through
+    the extend program; 'mixed': the shorter observation fed by decode steps, the longer through extend."""
+    feeds = sorted({1 + len(o) for o in obs})  # a continuation is the turn's last token and the observation
+    limit = {"decode": feeds[-1], "extend": 0, "mixed": feeds[0]}[path]
+    assert path != "mixed" or len(feeds) > 1
+    return dataclasses.replace(cfg, decode_feed_tokens=limit)
+
+
+def _check_feed_path(eng, path):
+    fed, extended = eng.stats.extra.get("fed_tokens", 0), eng.stats.extend_time
+    assert (fed > 0) == (path in ("decode", "mixed")) and (extended > 0) == (path in ("extend", "mixed"))
+
+
+@pytest.mark.parametrize("path", ["decode", "extend", "mixed"])
+def test_a_multi_turn_trajectory_is_exactly_what_the_sampler_saw(model_params, tok, path):
     """Three turns with two observations in between: the sampled tokens' logprobs equal the trainer's teacher-forced
     ones over the whole trajectory (so the KV continued across turns is the history's), the observations are the
-    environment's ids, forced and out of the loss, and each turn the environment saw is the sampled ids."""
+    environment's ids, forced and out of the loss, and each turn the environment saw is the sampled ids. Whichever
+    way the observations went into the cache."""
     model, params = model_params
     obs = [tok.encode("=4>"), tok.encode("ok 7>")]
     reqs, envs = _requests(tok, obs)
-    eng = Engine(model, params, BASE, tok, seed=1)
+    eng = Engine(model, params, _feed_config(BASE, path, obs), tok, seed=1)
     out = eng.generate(reqs)
     assert len(out) == 3 and all(len(r.completions) == 2 for r in out)
     checked = 0
@@ -97,16 +113,19 @@ def test_a_multi_turn_trajectory_is_exactly_what_the_sampler_saw(model_params, t
     for b, (r, c) in enumerate((r, c) for r in out for c in r.completions):
         p = len(r.prompt_tokens)
         np.testing.assert_array_equal(batch.loss_mask[b, p:p + len(c.tokens)], ~c.forced)  # observations: no loss
-    assert eng.stats.extend_time > 0 and eng.stats.parked_full == 0
+    assert eng.stats.parked_full == 0
+    _check_feed_path(eng, path)
 
 
-def test_multi_turn_trajectories_stay_exact_on_a_dp_x_tp_replica(model_params, tok):
+@pytest.mark.parametrize("path", ["decode", "extend"])
+def test_multi_turn_trajectories_stay_exact_on_a_dp_x_tp_replica(model_params, tok, path):
     """The whole path on a 2 x 2 mesh: a row's cache parked from a decode batch split over dp (the device that holds
-    the row hands it to all), extended, and put back; every sampled token's logprob is the trainer's."""
+    the row hands it to all), extended or fed by decode steps, and put back; every sampled token's logprob is the
+    trainer's."""
     model, params = model_params
     obs = [tok.encode("=4>"), tok.encode("ok 7>")]
     reqs, _ = _requests(tok, obs, n_prompts=4, k=2)
-    cfg = dataclasses.replace(BASE, replica_mode="spmd", tp=2, max_parked_rows=8)  # room for every episode
+    cfg = dataclasses.replace(_feed_config(BASE, path, obs), replica_mode="spmd", tp=2, max_parked_rows=8)
     (eng,) = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:4], seed=1).engines
     assert eng.mesh.shape == {"dp": 2, "tp": 2}
     out = eng.generate(reqs)
@@ -117,6 +136,7 @@ def test_multi_turn_trajectories_stay_exact_on_a_dp_x_tp_replica(model_params, t
             lp = _teacher_forced(model, params, r.prompt_tokens, c, BASE.temperature)
             np.testing.assert_allclose(c.logprobs[~c.forced], lp[~c.forced], atol=1e-4)
     assert eng.stats.extra["park_time"] > 0 and eng.stats.parked_full == 0
+    _check_feed_path(eng, path)
 
 
 def test_a_full_park_store_falls_back_to_a_re_prefill_and_stays_exact(model_params, tok):
@@ -195,8 +215,10 @@ def test_stop_sequences_end_a_turn_and_stay_in_it(model_params, tok):
         assert not any(t in digits for t in last[:-1])
 
 
-def _continuation_matches_a_fresh_prefill(engine: Engine, model: Model, params, history, obs):
-    """The extend program on a parked row vs one forward over the whole history: the next token's logits."""
+def _continuation_matches_a_fresh_prefill(engine: Engine, model: Model, params, history, obs, path):
+    """A parked row continued by `obs` vs one forward over the whole history: the next token's logits. `path`:
+    'extend' (the extend program) or 'decode' (a decode call puts the row in a slot and its steps feed the
+    observation but its last token)."""
     history, obs = np.asarray(history, np.int32), np.asarray(obs, np.int32)
     park = engine._new_park()
     pre = engine.prefill([history])  # caches history[:-1]: a row that stopped after sampling history[-1]
@@ -209,15 +231,32 @@ def _continuation_matches_a_fresh_prefill(engine: Engine, model: Model, params, 
     with jax.set_mesh(engine.mesh) if engine.mesh is not None else _nullcontext():
         park = jax.jit(put)(park, pre)
     engine._park = park
-    state = engine._extend_parked(engine.params, 0, [2], [np.concatenate([history[-1:], obs])])
-    assert int(state.kv.length[0]) == len(history) + len(obs) - 1 and int(state.next_token[0]) == obs[-1]
+    feed = np.concatenate([history[-1:], obs])
+    if path == "extend":
+        state = engine._extend_parked(engine.params, 0, [2], [feed])
+        row = 0
+    else:
+        engine._state = engine._new_state()
+        padded = np.zeros((engine.F,), np.int32)
+        padded[: len(feed)] = feed
+        # Insert into a free slot and run len(feed) - 1 steps: they feed all but the observation's last token.
+        state, packed = engine._run(engine._decode, np.int32(0), np.int32(0), np.int32(0), np.uint32(0), np.int32(0),
+                                    np.int32(len(feed) - 1), np.bool_(False), np.int32(2), padded,
+                                    np.int32(len(feed)), device=(engine.params, engine._state,
+                                                                  engine._dummy_prefill(), engine._park))
+        row = int(np.argmax(np.asarray(state.active)))
+        assert int(np.asarray(state.steps)) == len(feed) - 1
+        np.testing.assert_array_equal(np.asarray(state.tokens)[row, len(history):len(history) + len(obs)], obs)
+        assert np.asarray(state.forced)[row, len(history):len(history) + len(obs) - 1].all()
+    length, next_token = np.asarray(state.kv.length)[row], np.asarray(state.next_token)[row]
+    assert length == len(history) + len(obs) - 1 and next_token == obs[-1]
 
     def next_logits(params, kv, tok):
         logits, _ = engine.model.apply(params, tok[:, None], jnp.ones_like(tok), kv)
         return logits[:, 0]
 
     with jax.set_mesh(engine.mesh) if engine.mesh is not None else _nullcontext():
-        got = np.asarray(jax.jit(next_logits)(engine.params, state.kv, state.next_token))[0]
+        got = np.asarray(jax.jit(next_logits)(engine.params, state.kv, state.next_token))[row]
     full = np.concatenate([history, obs])
     want = np.asarray(model.apply(params, jnp.asarray(full[None]), jnp.asarray([len(full)]))[0])[0, len(full) - 1]
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
@@ -231,19 +270,22 @@ class _nullcontext:
         return False
 
 
-def test_a_row_continued_after_an_observation_matches_a_fresh_prefill(model_params, tok):
+@pytest.mark.parametrize("path", ["extend", "decode"])
+def test_a_row_continued_after_an_observation_matches_a_fresh_prefill(model_params, tok, path):
     model, params = model_params
     eng = Engine(model, params, BASE, tok, seed=1)
-    _continuation_matches_a_fresh_prefill(eng, model, params, tok.encode("3 1 4 1 5>9"), tok.encode("=4> and 7>"))
+    _continuation_matches_a_fresh_prefill(eng, model, params, tok.encode("3 1 4 1 5>9"), tok.encode("=4> and 7>"),
+                                          path)
 
 
-def test_a_row_continued_after_an_observation_matches_a_fresh_prefill_on_a_dp_x_tp_mesh(model_params, tok):
+@pytest.mark.parametrize("path", ["extend", "decode"])
+def test_a_row_continued_after_an_observation_matches_a_fresh_prefill_on_a_dp_x_tp_mesh(model_params, tok, path):
     model, params = model_params
     cfg = dataclasses.replace(BASE, replica_mode="spmd", tp=2)
     rs = ReplicaSet(model, params, cfg, tok, devices=jax.devices()[:4], seed=1)
     (eng,) = rs.engines
     assert eng.mesh.shape == {"dp": 2, "tp": 2}
-    _continuation_matches_a_fresh_prefill(eng, model, params, tok.encode("9 2 6>3"), tok.encode("=5>"))
+    _continuation_matches_a_fresh_prefill(eng, model, params, tok.encode("9 2 6>3"), tok.encode("=5>"), path)
 
 
 def test_a_weight_sync_between_turns_shows_in_the_versions_and_the_lag(model_params, tok):
@@ -339,7 +381,8 @@ def test_continuations_do_not_wait_while_the_park_store_is_nearly_full(model_par
     from asyncrl.rollout import Rollout
 
     model, params = model_params
-    eng = Engine(model, params, dataclasses.replace(BASE, extend_wait_s=30.0, max_parked_rows=8), tok, seed=1)
+    cfg = dataclasses.replace(BASE, extend_wait_s=30.0, max_parked_rows=8, decode_feed_tokens=0)
+    eng = Engine(model, params, cfg, tok, seed=1)
     eng._state, eng._park = eng._new_state(), eng._new_park()
     prompt = np.asarray(tok.encode("3 1 4>"), np.int32)
     group = Group(Rollout(prompt=Prompt(0, None, 2), prompt_tokens=prompt), [Episode(None, len(prompt)) for _ in range(2)])
@@ -363,7 +406,7 @@ def test_continuations_left_after_a_full_extend_wait_for_their_own_batch(model_p
     from asyncrl.rollout import Rollout
 
     model, params = model_params
-    eng = Engine(model, params, dataclasses.replace(BASE, extend_wait_s=30.0), tok, seed=1)
+    eng = Engine(model, params, dataclasses.replace(BASE, extend_wait_s=30.0, decode_feed_tokens=0), tok, seed=1)
     eng._state, eng._park = eng._new_state(), eng._new_park()
     prompt = np.asarray(tok.encode("3 1 4>"), np.int32)
     group = Group(Rollout(prompt=Prompt(0, None, 6), prompt_tokens=prompt), [Episode(None, len(prompt)) for _ in range(6)])
@@ -381,3 +424,32 @@ def test_continuations_left_after_a_full_extend_wait_for_their_own_batch(model_p
     eng._launch_ready()
     assert eng.stats.extra["extend_calls"] == 2 and eng.stats.extra["extend_rows"] == 6 and not eng._ready
     assert sorted(t[2][1] for t in eng._queue) == list(range(6))  # each continuation queued once
+
+
+def test_short_continuations_go_into_the_decode_batch_at_once_and_long_ones_through_extend(model_params, tok):
+    """A continuation of at most decode_feed_tokens tokens is queued ahead of new prompts at once, holding its park
+    row until a decode call takes its cache (no extend, no wait, even with every slot busy); a longer one waits to
+    share an extend."""
+    from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
+    from asyncrl.rollout import Rollout
+
+    model, params = model_params
+    short, long = np.asarray(tok.encode("9=4>"), np.int32), np.asarray(tok.encode("9=4> and 7> and 1>"), np.int32)
+    cfg = dataclasses.replace(BASE, extend_wait_s=30.0, max_parked_rows=8, decode_feed_tokens=len(short))
+    eng = Engine(model, params, cfg, tok, seed=1)
+    assert len(long) > len(short)
+    eng._state, eng._park = eng._new_state(), eng._new_park()
+    prompt = np.asarray(tok.encode("3 1 4>"), np.int32)
+    group = Group(Rollout(prompt=Prompt(0, None, 3), prompt_tokens=prompt),
+                  [Episode(None, len(prompt)) for _ in range(3)])
+    eng._queue.append(("a prompt row", 0, (group, 2)))
+    eng._in_flight = eng.B  # every slot busy
+    eng._ready = [Continuation(group, 0, short, park=0), Continuation(group, 1, long, park=1)]
+    eng._free_park = [r for r in eng._free_park if r >= 2]
+    eng._launch_ready()
+    assert "extend_calls" not in eng.stats.extra and [c.k for c in eng._ready] == [1]  # the long one waits
+    head, p, target = eng._queue[0]
+    assert isinstance(head, Fed) and head.park == 0 and target == (group, 0) and len(eng._queue) == 2
+    np.testing.assert_array_equal(head.feed, short)
+    assert 0 not in eng._free_park  # held until a decode call takes it
+    assert group.episodes[0].parts[-1].observation  # recorded now; its versions come from the row

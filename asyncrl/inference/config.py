@@ -64,6 +64,16 @@ class InferenceConfig:
     free rows (the turns that end meanwhile would find it full and re-prefill). 0: extend at once. Measured on a
     2-core CPU, 3-turn episodes of 32-token turns, a 0.5 s environment: 0.2 s gave 6.3-6.6 rows an extend, 0.5 s
     gave 7.9-8.0 (full) and 4-23% more tokens/s in three alternating pairs of runs."""
+    decode_feed_tokens: int = 16
+    """A continuation of at most this many tokens (the turn's last sampled token and the observation) goes back into
+    a free decode slot from its parked cache, and the decode steps feed its tokens one a step while the other rows
+    decode beside it (chunked prefill, a token at a time); a longer one goes through `extend`. A fed token costs its
+    slot one row-step; an extend pauses every slot for a pass over the weights, shared by up to max_prefill_prompts
+    continuations that wait (extend_wait_s) to share it. Measured on a 2-core CPU, 3-turn episodes of 32-token
+    turns and 5-token continuations: as many tokens/s or a few % more, and the decode slots busy 0.96 of the wall
+    time instead of 0.88 (`benchmarks/README.md`, "multiturn"). At target scale, Qwen3-8B on v5p (44 rows, a 16.9
+    ms step; an 8-token extend of up to 4 rows 11.7 ms, `launch.py aot`): an extend costs the batch what 7.6 fed
+    tokens a continuation cost with 4 rows to an extend, 30 with one. 0: every continuation through extend."""
     env_workers: Optional[int] = None
     """Threads that run environment steps (tools, games, the verifier) off the decode thread. None: one per row that
     can wait on its environment at once (the park store plus the decode batch, at least 16), so a slow step queues
@@ -96,6 +106,8 @@ class InferenceConfig:
         if self.max_parked_rows is not None:
             check("inference.max_parked_rows", self.max_parked_rows, self.max_parked_rows >= 1, "null or >= 1")
         check("inference.extend_wait_s", self.extend_wait_s, self.extend_wait_s >= 0, ">= 0")
+        check("inference.decode_feed_tokens", self.decode_feed_tokens, 0 <= self.decode_feed_tokens < self.max_seq_len,
+              f">= 0 and < max_seq_len ({self.max_seq_len})")
         if self.env_workers is not None:
             check("inference.env_workers", self.env_workers, self.env_workers >= 1, "null or >= 1")
 

@@ -16,9 +16,10 @@ calls `between_loops()`, the hook where the orchestration swaps in new weights (
 Episodes. Each sample runs in its environment (`Request.envs`, one per sample; none: plain generation). A row
 that ends its turn leaves the decode batch at once; its environment steps on a worker thread
 (`inference.env_workers`) while the other rows decode. A single-turn environment grades the answer and ends the
-episode. Otherwise its observation comes back, the row's saved cache (the park store) is extended with it
-(`extend`), and the row rejoins the decode batch ahead of new prompts. A group is emitted once every episode in it
-has ended (`episodes.py`).
+episode. Otherwise its observation comes back and the row rejoins the decode batch ahead of new prompts from its
+saved cache (the park store): a short continuation goes straight into a free slot, whose decode steps feed its
+tokens one a step beside the other rows (`inference.decode_feed_tokens`); a longer one is appended to the saved cache
+by `extend` first. A group is emitted once every episode in it has ended (`episodes.py`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.config import InferenceConfig
-from asyncrl.inference.episodes import Continuation, Episode, Group
+from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
 from asyncrl.inference.layout import cpu_decode_layout
 from asyncrl.inference.programs import DecodePrograms
 from asyncrl.inference.turns import EpisodeDriver
@@ -89,7 +90,8 @@ class EngineStats:
     env_steps: int = 0
     env_time: float = 0.0  # seconds environments spent in their steps (on worker threads)
     parked_full: int = 0  # continuations whose cache did not fit the park store (re-prefilled)
-    slot_steps: int = 0  # decode steps x rows live in them (occupancy: slot_steps / (decode_steps x batch))
+    slot_steps: int = 0  # decode steps x rows live in them (occupancy: slot_steps / (decode_steps x batch)); the
+    # row-steps that fed an observation token rather than sampling one are extra["fed_tokens"]
     slot_time: float = 0.0  # decode seconds x rows live in them
     extra: dict = field(default_factory=dict)
 
@@ -126,7 +128,8 @@ class Engine(EpisodeDriver, DecodePrograms):
         self._slots: dict[int, tuple[Group, int]] = {}
         self._in_flight = 0
         self._state: DecodeState | None = None
-        self._queue: collections.deque[tuple[DecodeState, int, tuple[Group, int]]] = collections.deque()
+        # (prefill batch, its row, target), or (Fed, -, target) for a continuation that decode steps feed
+        self._queue: collections.deque[tuple[DecodeState | Fed, int, tuple[Group, int]]] = collections.deque()
         self._stepping: list[tuple[Future, Group, int, int, bool]] = []  # (step, group, sample, park row, last)
         self._ready: list[Continuation] = []
         self._park: Any = None
@@ -281,7 +284,7 @@ class Engine(EpisodeDriver, DecodePrograms):
             while not self._call(state, p, target):  # a chunk ended before a row was free: decode on
                 self._poll_env()
 
-    def _call(self, prefill: DecodeState | None, p: int, target: tuple[Group, int] | None) -> bool:
+    def _call(self, prefill: DecodeState | Fed | None, p: int, target: tuple[Group, int] | None) -> bool:
         """One decode chunk; returns whether `target` was inserted (always True without a target). A row that came
         out is collected at once: its environment steps (and its group can be emitted) while decoding goes on;
         holding it until the current prompt batch is all inserted would make it a straggler."""
@@ -296,16 +299,22 @@ class Engine(EpisodeDriver, DecodePrograms):
             slot = self._slot_counter
             self._slot_counter += 1
             self._slots[slot] = target
+        fed = prefill if isinstance(prefill, Fed) else None
+        feed = np.zeros((self.F,), np.int32)
+        if fed is not None:
+            feed[: len(fed.feed)] = fed.feed
+            prefill, p = None, 0
         if prefill is None:
             prefill = self._dummy_prefill()
         t0 = time.perf_counter()
         uid, k = (target[0].rollout.prompt.uid, target[1]) if target is not None else (0, 0)
         scalars = (np.int32(-1 if defer else p), np.int32(slot), np.int32(version), np.uint32(uid & 0xFFFFFFFF),
-                   np.int32(k), np.int32(self.cfg.decode_chunk_steps), np.bool_(bool(self._queue)))
+                   np.int32(k), np.int32(self.cfg.decode_chunk_steps), np.bool_(bool(self._queue)),
+                   np.int32(fed.park if fed is not None else -1), feed, np.int32(len(fed.feed) if fed else 0))
         # Rows decoding through this chunk: a row filled into a free slot joins at its start, a substituted one at
         # its end.
         live = self._in_flight + int(target is not None and not defer and self._in_flight < self.B)
-        self._state, packed = self._run(self._decode, *scalars, device=(params, self._state, prefill))
+        self._state, packed = self._run(self._decode, *scalars, device=(params, self._state, prefill, self._park))
         # Waiting for the row waits for the device to finish the chunk, so decode_time (and the
         # decode_tokens_per_s metric built on it) is device time, and `between_loops` runs on executed work.
         row = unpack_row(np.asarray(jax.device_get(packed)))
@@ -318,6 +327,9 @@ class Engine(EpisodeDriver, DecodePrograms):
         self.stats.slot_time += live * dt
         if target is not None and not defer and not inserted:
             del self._slots[slot]
+        if fed is not None and not defer and bool(inserted):  # its cache is in a decode row now
+            self._release(fed.park)
+            self.stats.extra["fed_tokens"] = self.stats.extra.get("fed_tokens", 0) + len(fed.feed) - 1
         self._in_flight += int(bool(inserted))
         if int(out_slot) >= 0:  # a finished row came out
             self._in_flight -= 1
@@ -352,6 +364,11 @@ class Engine(EpisodeDriver, DecodePrograms):
         finish = "length" if bool(r.hit_length) else ("stop" if self._ends_with_stop(toks) else "eos")
         if ep.turn == 0:
             ep.prompt_version = int(r.versions[0])
+        elif ep.parts and ep.parts[-1].observation:
+            # The observation sits just before this turn's tokens; the row holds the version of the weights that
+            # took it in (the extend's or prefill's, or each decode step's that fed a token).
+            obs = ep.parts[-1]
+            obs.versions = np.asarray(r.versions[pl - len(obs.tokens):pl], np.int32)
         ep.add_turn(toks, np.asarray(r.logprobs[pl:n], np.float32), np.asarray(r.forced[pl:n], bool),
                     np.asarray(r.versions[pl:n], np.int32), text, finish, bool(r.end_of_think))
         self.stats.finished += 1

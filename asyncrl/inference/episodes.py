@@ -6,8 +6,9 @@ that computed their keys and values). Nothing is ever decoded and re-encoded. Wh
 limit ends the episode, it becomes a `Completion`; when every episode of a group has, the group is a `Rollout`.
 
 A continuation is the next model turn of an episode: `feed` is the last sampled token (the device stopped before
-feeding it) followed by the observation; the engine appends `feed[:-1]` to the row's saved KV cache and decodes on
-from `feed[-1]` (`programs.DecodePrograms._extend_fn`).
+feeding it) followed by the observation. Either decode steps feed it, a token a step, in the row it goes back to
+(`Fed`, `parking.ParkPrograms._continuation`), or the engine appends `feed[:-1]` to the row's saved KV cache
+and decodes on from `feed[-1]` (`parking.ParkPrograms._extend_fn`).
 """
 
 from __future__ import annotations
@@ -119,3 +120,11 @@ class Continuation:
     park: int  # the park-store row holding its KV cache, or -1 (not kept: re-prefill the history)
     info: dict[str, Any] = field(default_factory=dict)
     ready_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Fed:
+    """A queued continuation that goes into a decode row from its park row, its feed forced by decode steps."""
+
+    park: int
+    feed: np.ndarray

@@ -84,11 +84,19 @@ class AbstractPrograms:
     def lower_decode(self, params: Any = None) -> jax.stages.Lowered:
         """The decode loop with row substitution (`decode_and_swap`), lowered on abstract inputs. `params`: other
         abstract weights to decode with (e.g. `abstract_params_with_lora`, the unmerged-adapter alternative)."""
-        i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
-        prefill = self.abstract_state(self.P, split_rows=False)
-        scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32(), self._scalar(jnp.bool_))
         params = self.abstract_params() if params is None else params
-        return self._lower(self._decode, (params, self.abstract_state(), prefill, *scalars))
+        return self._lower(self._decode, (params, self.abstract_state(), *self._decode_inputs()))
+
+    def _decode_inputs(self) -> tuple:
+        """`decode_and_swap`'s inputs after the weights and the state: the prefill batch, the park store (None in a
+        single-turn engine) and the host values."""
+        i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
+        sh = None if self.mesh is None else NamedSharding(self.mesh, P())
+        feed = jax.ShapeDtypeStruct((self.F,), jnp.int32, sharding=sh)
+        scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32(), self._scalar(jnp.bool_), i32(), feed,
+                   i32())
+        park = self.abstract_park() if self.Q else None
+        return (self.abstract_state(self.P, split_rows=False), park, *scalars)
 
     # ---- LoRA (train.lora): what inference does with adapters ----------------------------------------------
 
@@ -109,15 +117,12 @@ class AbstractPrograms:
     def lower_decode_keeping_base(self) -> jax.stages.Lowered:
         """The decode loop as a merge-on-receipt replica runs it: the LoRA base it merges from stays resident beside
         the merged weights, as a donated pass-through, so that the compiled peak counts both copies."""
-        i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
-        prefill = self.abstract_state(self.P, split_rows=False)
-        scalars = (i32(), i32(), i32(), self._scalar(jnp.uint32), i32(), i32(), self._scalar(jnp.bool_))
         base = self.abstract_params()
         state_sh = self.state_shardings(self.B)
         keep_sh = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, base)
         fn = jax.jit(lambda keep, *args: (self._decode_and_swap(*args), keep), donate_argnums=(0, 2),
                      out_shardings=None if state_sh is None else ((state_sh, None), keep_sh))
-        return self._lower(fn, (base, self.abstract_params(), self.abstract_state(), prefill, *scalars))
+        return self._lower(fn, (base, self.abstract_params(), self.abstract_state(), *self._decode_inputs()))
 
     def lower_lora_merge(self, lora_cfg: Any) -> jax.stages.Lowered:
         """Merge-on-receipt, once per sync: the kept base plus alpha/r A B, cast back to the decode dtype."""

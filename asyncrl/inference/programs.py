@@ -6,17 +6,18 @@ layouts, and their abstract (ahead-of-time) lowering. `engine.Engine` drives the
   in a `lax.while_loop` until some live row stops (or `inference.decode_chunk_steps` pass), takes that row out,
   and puts the queued row in its place if no slot was free. The state is donated.
 
-Multi-turn engines (`inference.max_turns` > 1) add two programs, and a park store: a donated KV cache of
-`inference.parked_rows` rows where a row that ends its turn leaves its keys and values while its environment
-steps, so its decode slot serves another row meanwhile.
+Multi-turn engines (`inference.max_turns` > 1) add two programs and a park store (`parking.py`), where a row that
+ends its turn leaves its cache while its environment steps:
 - `park`: copies the cache of the row `decode_and_swap` just took out into a free park row. A multi-turn engine
   runs `decode_and_swap` without a substitution when its batch is full (the row comes out and its slot stays free),
   parks the row, and fills the slot at the start of its next call. Parking inside `decode_and_swap` made XLA copy
   the whole decode cache on every call (measured: 36-45 ms a call on an 8 layer model, 0.4 ms for this program);
-- `extend`, memoized per power-of-two width (from 4) and rung of rows (`extend_rows`): takes parked rows, appends
-  each one's continuation (its last sampled token and the observation) to its cache at its own offset, attending
-  over the cached history, and returns a prefill-like batch whose rows go back into the decode batch like fresh
-  prompts. No earlier token is recomputed. Single-turn engines compile exactly the two programs above.
+- `extend`, memoized per power-of-two width (from 4) and rung of rows (`extend_rows`), for continuations longer
+  than `inference.decode_feed_tokens`: appends each one's tokens to its parked cache, and its rows go back into
+  the decode batch like prefilled prompts.
+A shorter continuation needs no program of its own: `decode_and_swap` fills the free slot straight from its park row
+and its decode steps feed the continuation a token a step (`_decode_step`, "feeding"), while the other rows decode.
+Single-turn engines compile exactly the two programs above.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.forcing import force_end_of_think, force_eos
 from asyncrl.inference.lowering import AbstractPrograms
+from asyncrl.inference.parking import ParkPrograms
 from asyncrl.inference.sampling import sample
 from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row, pack_row
 from asyncrl.models import kvcache
@@ -38,7 +40,7 @@ from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.models.transformer import Model
 
 
-class DecodePrograms(AbstractPrograms):
+class DecodePrograms(ParkPrograms, AbstractPrograms):
     """The jitted prefill and decode programs of one replica over `mesh` (None = default device)."""
 
     def __init__(self, model: Model, cfg: InferenceConfig, tokenizer: Tokenizer | None, *, eos_id: int | None = None,
@@ -53,6 +55,7 @@ class DecodePrograms(AbstractPrograms):
         self.B = cfg.max_decode_batch_size
         self.P = cfg.max_prefill_prompts
         self.Q = cfg.parked_rows
+        self.F = max(cfg.decode_feed_tokens, 1)  # the feed vector a decode call takes (its width is fixed)
         self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype)
         self.stop = [tuple(int(t) for t in seq) for seq in stop if len(seq)]
         self.phrase: list[int] | None = self._think_phrase() if cfg.reasoning_budget is not None else None
@@ -99,11 +102,6 @@ class DecodePrograms(AbstractPrograms):
             return None
         axes = tuple(a for a in rules.mesh_axes("batch") if a in self.mesh.axis_names)
         return None if not axes else (axes[0] if len(axes) == 1 else axes)
-
-    def park_shardings(self) -> KVCache | None:
-        """Layouts of the park store: its rows replicated over the data axis, like a prefill batch's, so any device
-        can take a parked row into its part of the decode batch."""
-        return None if self.mesh is None else self.state_shardings(self.Q, split_rows=False).kv
 
     def state_shardings(self, rows: int, split_rows: bool = True) -> DecodeState | None:
         """Layouts of a state with `rows` rows. The decode batch splits rows over the data axis; a prefill batch
@@ -185,6 +183,18 @@ class DecodePrograms(AbstractPrograms):
             tok, lp, forced, stop_now, _ = force_eos(tok, lp, forced, index, limit=s.limit, eos_id=self.eos_id)
             if self.stop:
                 stop_now = stop_now | self._stop_hit(s, tok, index)
+            if self.Q:
+                # A continuation fed by decode steps: its observation sits in `tokens` below `prompt_len`, past
+                # what its cache holds, and each step forces the next of those tokens instead of sampling (the
+                # row's logits there are discarded, as a prefill's are). A row inserted from a prefill or an extend
+                # starts at index == prompt_len and never feeds. Single-turn engines compile without this.
+                feeding = index < s.prompt_len
+                fed = jnp.take_along_axis(s.tokens, jnp.clip(index, 0, self.S - 1)[:, None], axis=1)[:, 0]
+                tok = jnp.where(feeding, fed, tok)
+                lp = jnp.where(feeding, 0.0, lp)
+                forced = forced | feeding
+                stop_now = stop_now & ~feeding
+                eot = jnp.where(feeding, s.end_of_think, eot)
         # A position mask instead of a scatter: elementwise, so it keeps the rows' layout under any sharding.
         # Dead rows match no position and keep their outputs.
         at = (jnp.arange(self.S)[None, :] == index[:, None]) & live[:, None]  # [B, S]
@@ -221,11 +231,13 @@ class DecodePrograms(AbstractPrograms):
         return jnp.any(match & inside, axis=1)
 
     def _decode_and_swap(
-        self, params: Any, s: DecodeState, prefill: DecodeState, p: jax.Array, slot: jax.Array, version: jax.Array,
-        uid: jax.Array, k: jax.Array, max_steps: jax.Array, more: jax.Array,
+        self, params: Any, s: DecodeState, prefill: DecodeState, park: KVCache | None, p: jax.Array, slot: jax.Array,
+        version: jax.Array, uid: jax.Array, k: jax.Array, max_steps: jax.Array, more: jax.Array, at: jax.Array,
+        feed: jax.Array, feed_len: jax.Array,
     ) -> tuple[DecodeState, jax.Array]:
-        """`p` >= 0: insert prefill row p; `more`: the host has rows waiting after it (no decode while one could fill
-        a free slot). Returns the state and the row taken out, packed (`state.pack_row`)."""
+        """`p` >= 0: insert prefill row p, or, with `at` >= 0 (multi-turn engines), the continuation of park row
+        `at` by `feed[:feed_len]` (`_continuation`); `more`: the host has rows waiting after it (no decode while
+        one could fill a free slot). Returns the state and the row taken out, packed (`state.pack_row`)."""
         want_insert = p >= 0
         row_key = jax.random.fold_in(jax.random.fold_in(s.key, uid), k)
         steps0 = s.steps
@@ -234,7 +246,15 @@ class DecodePrograms(AbstractPrograms):
         fill = want_insert & jnp.any(~s.active)
         free_row = jnp.argmax(~s.active).astype(jnp.int32)
         with jax.named_scope("fill_free_row"):
-            s = jax.lax.cond(fill, lambda s: self._insert(s, prefill, p, free_row, slot, row_key), lambda s: s, s)
+            if self.Q:
+                def put(s, row):
+                    return jax.lax.cond(
+                        at >= 0, lambda s: self._insert(s, self._continuation(park, at, feed, feed_len), 0, row, slot,
+                                                        row_key),
+                        lambda s: self._insert(s, prefill, p, row, slot, row_key), s)
+            else:
+                put = lambda s, row: self._insert(s, prefill, p, row, slot, row_key)  # noqa: E731
+            s = jax.lax.cond(fill, lambda s: put(s, free_row), lambda s: s, s)
 
         cond = lambda s: (jnp.any(s.active) & ~jnp.any(s.active & s.stop) & ~(more & jnp.any(~s.active))  # noqa: E731
                           & (s.steps - steps0 < max_steps))
@@ -263,88 +283,11 @@ class DecodePrograms(AbstractPrograms):
         with jax.named_scope("sub_next_batch"):
             s = jax.lax.cond(
                 substitute,
-                lambda s: self._insert(s, prefill, p, row, slot, row_key),
+                lambda s: put(s, row),
                 lambda s: jax.lax.cond(any_done, lambda s: deactivate_row(s, row), lambda s: s, s),
                 s,
             )
         return s, pack_row(finished)
-
-    def _park_fn(self, kv: KVCache, park: KVCache, row: jax.Array, at: jax.Array) -> KVCache:
-        """Decode row `row`'s keys, values and length (from the decode state's cache `kv`, only read) into park row
-        `at`. It takes the cache alone, not the weights or the whole state: each argument leaf costs the dispatch
-        time, and this program runs once per turn. Rows split over a data axis: the device holding the row slices
-        it out, the others give zeros, and a sum over the data axis hands it to every device (a masked reduction
-        over all rows read the whole decode cache: 27 GB and 9.9 ms a call for the Llama 8B preset, 0.4 ms
-        ideal)."""
-        sel = jnp.arange(kv.length.shape[0]) == row
-        length = jnp.sum(jnp.where(sel, kv.length, 0))
-        spec = self._data_spec()
-        if self.mesh is None or spec is None:
-            k, v = kv.k, kv.v
-            take = lambda src: jax.lax.dynamic_slice_in_dim(src, row, 1, axis=1)  # noqa: E731  [L, 1, K, S, Dh]
-            rows_k, rows_v = jax.tree.map(take, k), jax.tree.map(take, v)
-        else:
-            rows_k, rows_v = self._row_from_split(kv.k, kv.v, row, spec)
-
-        def put(dst: jax.Array, r: jax.Array) -> jax.Array:
-            return jax.lax.dynamic_update_slice_in_dim(dst, r.astype(dst.dtype), at, axis=1)
-
-        return KVCache(k=jax.tree.map(put, park.k, rows_k), v=jax.tree.map(put, park.v, rows_v),
-                       length=park.length.at[at].set(length))
-
-    def _row_from_split(self, k: Any, v: Any, row: jax.Array, spec: Any) -> tuple[Any, Any]:
-        axes = (spec,) if isinstance(spec, str) else tuple(spec)
-        cache_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.B).kv)
-        out_specs = jax.tree.map(lambda ns: ns.spec, self.park_shardings())
-
-        def local(k_local, v_local, row):
-            b_local = jax.tree.leaves(k_local)[0].shape[1]
-            start = jax.lax.axis_index(axes) * b_local
-            here = (row >= start) & (row < start + b_local)
-            i = jnp.clip(row - start, 0, b_local - 1)
-            one = lambda x: jax.lax.psum(  # noqa: E731
-                jnp.where(here, jax.lax.dynamic_slice_in_dim(x, i, 1, axis=1), jnp.zeros_like(x[:, :1])), axes)
-            return jax.tree.map(one, k_local), jax.tree.map(one, v_local)
-
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(cache_specs.k, cache_specs.v, P()),
-                             out_specs=(out_specs.k, out_specs.v))(k, v, row)
-
-    def _extend_fn(self, params: Any, park: KVCache, idx: jax.Array, feed: jax.Array, lens: jax.Array,
-                   last: jax.Array, version: jax.Array) -> DecodeState:
-        """Continuations [rows]: park rows `idx` (-1: an unused row), each with `feed` [rows, W] (right-padded,
-        `lens` valid, at least 1): the last token its turn sampled, which the cache does not hold yet, then its
-        observation but for the observation's last token, `last`, which becomes next_token (the first decode step
-        feeds it). The feed is appended to the row's cache at its own offset, attending over the cached history
-        (the model's cached path, as a decode step, for many tokens at once); no earlier token is recomputed. The
-        result is laid out like a prefill batch, and its rows are inserted the same way. `last` travels apart
-        from the feed so that the bucket pads only what is computed (a 4-token observation: width 4, not 8)."""
-        with jax.named_scope("extend"):
-            rows, _ = feed.shape  # a rung of `extend_rows` <= P: a lone continuation does not pay for P rows
-            live = idx >= 0
-            at = jnp.maximum(idx, 0)
-            # One dynamic slice per row, not a gather: the TPU compiler's gather over the park store read all of it
-            # (measured: 100 GB a call for the 8B preset's 27 GB store).
-            gather = lambda x: jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, at[i], 1, axis=1)  # noqa: E731
-                                                for i in range(rows)], axis=1)  # [L, rows, K, S, Dh]
-            kv = KVCache(k=jax.tree.map(gather, park.k), v=jax.tree.map(gather, park.v),
-                         length=jnp.where(live, jnp.take(park.length, at), 0))
-            if self.mesh is not None:
-                kv = jax.tree.map(lambda x, ns: jax.sharding.reshard(x, ns.spec), kv,
-                                  self.state_shardings(rows, split_rows=False).kv)
-            _, kv = self.model.apply(params, feed, jnp.where(live, lens, 0), kv, apply_lm_head=False)
-            # Laid out as a P-row prefill batch (the rows past `rows` empty), so the one decode program takes it.
-            pad = lambda x, axis: jnp.pad(x, [(0, self.P - rows) if a == axis else (0, 0) for a in range(x.ndim)])  # noqa: E731
-            state = self._empty(self.P, jnp.zeros((2,), jnp.uint32), split_rows=False)
-            state.kv = KVCache(k=jax.tree.map(lambda x: pad(x, 1), kv.k), v=jax.tree.map(lambda x: pad(x, 1), kv.v),
-                               length=pad(kv.length, 0))
-            state.next_token = pad(last, 0)
-            start = state.kv.length + 1  # the first token this turn samples is written here
-            state.prompt_len = start
-            state.versions = jnp.where(jnp.arange(self.S)[None, :] < start[:, None], version.astype(jnp.int32),
-                                       state.versions)
-            if self.cfg.max_new_tokens is not None:
-                state.limit = jnp.minimum(start + self.cfg.max_new_tokens + 1, self.S)  # + the forced EOS slot
-            return state
 
     def _insert(self, s: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.Array, slot: jax.Array,
                 row_key: jax.Array) -> DecodeState:
@@ -365,7 +308,8 @@ class DecodePrograms(AbstractPrograms):
         mesh, spec = self.mesh, self._data_spec()
         axes = (spec,) if isinstance(spec, str) else tuple(spec)
         state_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.B))
-        prefill_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.P, split_rows=False))
+        rows = prefill.next_token.shape[0]  # a prefill or extend batch, or one continuation row
+        prefill_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(rows, split_rows=False))
 
         def local(s_local, prefill_local, p, row, slot, row_key):
             b_local = s_local.next_token.shape[0]
@@ -379,14 +323,6 @@ class DecodePrograms(AbstractPrograms):
         return jax.shard_map(
             local, mesh=mesh, in_specs=(state_specs, prefill_specs, P(), P(), P(), P()), out_specs=state_specs,
         )(s, prefill, p, row, slot, row_key)
-
-    def _new_park(self) -> KVCache:
-        """The park store, zeroed, on its layout."""
-        make = lambda: kvcache.zeros(self.model.cfg, self.Q, self.S, self.kv_dtype, per_layer=self.cpu)  # noqa: E731
-        if self.mesh is None:
-            return jax.jit(make)()
-        with jax.set_mesh(self.mesh):
-            return jax.jit(make, out_shardings=self.park_shardings())()
 
     def _new_state(self) -> DecodeState:
         key = jax.random.PRNGKey(self._seed)

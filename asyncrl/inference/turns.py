@@ -1,7 +1,7 @@
 """The turns of the engine's episodes, mixed into `Engine`: each environment step on a worker thread, its answer
 taken back on the decode thread (`_poll_env`), and the continuations launched back into the decode batch ahead of
-new prompts (`_launch_ready`): through `extend` from their parked caches, or, for a cache the park store had no
-room for, through a prefill of the whole history."""
+new prompts (`_launch_ready`): fed by decode steps from their parked caches when short, through `extend` from them
+when longer, or, for a cache the park store had no room for, through a prefill of the whole history."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from asyncrl.inference.episodes import Continuation, Episode, Group
+from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
 from asyncrl.rollout import StepResult, Turn
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,10 @@ class EpisodeDriver:
             self._emit(group.finish())
 
     def _launch_ready(self) -> None:
-        """Continuations back into the decode batch, ahead of new prompts: up to P at a time through `extend`
+        """Continuations back into the decode batch, ahead of new prompts. One of at most
+        `inference.decode_feed_tokens` tokens with a parked cache is queued as it is: the decode call that puts it
+        in a free slot takes its cache from the park store, and the steps feed its tokens (no extra program, no
+        wait). Others go up to P at a time through `extend`
         from their parked caches, or, for a cache the park store had no room for, a prefill of the history.
         An extend reads every weight once, as a decode step does, whatever its rows: while other work keeps the
         decode batch full (queued rows, no free slot), continuations wait up to `inference.extend_wait_s` to be
@@ -100,6 +103,14 @@ class EpisodeDriver:
         idle; flushing them with it made a third of the extends one-row calls when continuations came in bursts.
         Waiting rows hold their park rows, so nothing waits while fewer than P park rows are free: a turn that ends
         meanwhile must find room, or its episode goes on by a prefill of its whole history."""
+        fed = [c for c in self._ready if c.park >= 0 and len(c.feed) <= self.cfg.decode_feed_tokens]
+        if fed:
+            with self._lock:
+                version = self.version
+            self._ready = [c for c in self._ready if not (c.park >= 0 and len(c.feed) <= self.cfg.decode_feed_tokens)]
+            for c in fed:
+                c.group.episodes[c.k].add_observation(c.feed[1:], version)  # versions: the row's, at `_collect`
+            self._queue.extendleft(reversed([(Fed(c.park, c.feed), -1, (c.group, c.k)) for c in fed]))
         while self._ready:
             if len(self._ready) < self.P and (self._queue or self._in_flight >= self.B) \
                     and len(self._free_park) >= self.P \
