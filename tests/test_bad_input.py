@@ -104,6 +104,7 @@ def test_missing_shard_named(good_folder, tmp_path):
         ("loss.is_mode=truncate", r"loss\.tis_cap=None.*is_mode=truncate"),
         ("loss.overlong_buffer=31", r"loss\.overlong_buffer=31.*< loss\.max_tokens=31"),  # the whole budget
         ("logging.progress_every_n_steps=0", r"logging\.progress_every_n_steps=0.*>= 1"),
+        ("inference.decode_feed_tokens=-1", r"inference\.decode_feed_tokens=-1.*>= 0"),
         ("run.metrics_export_port=70000", r"run\.metrics_export_port=70000.*port"),
     ],
 )
