@@ -32,7 +32,6 @@ class ParkPrograms:
         can take a parked row into its part of the decode batch."""
         return None if self.mesh is None else self.state_shardings(self.Q, split_rows=False).kv
 
-
     def _park_fn(self, kv: KVCache, park: KVCache, row: jax.Array, at: jax.Array) -> KVCache:
         """Decode row `row`'s keys, values and length (from the decode state's cache `kv`, only read) into park row
         `at`. It takes the cache alone, not the weights or the whole state: each argument leaf costs the dispatch

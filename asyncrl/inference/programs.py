@@ -249,9 +249,9 @@ class DecodePrograms(ParkPrograms, AbstractPrograms):
             s = jax.lax.cond(fill & (at < 0), lambda s: self._insert(s, prefill, p, free_row, slot, row_key),
                              lambda s: s, s)
             if self.Q:
-                # Its own conditional, after the prefill's rather than nested in it or choosing the source first:
-                # nested, XLA copied the whole decode cache on every call for the Llama 3.1-8B preset (22 GB, 50 ms a
-                # call against 16); a chosen source row is a second copy of it (1.2 GB a call for Qwen3-8B).
+                # Its own conditional, after the prefill's. Nested in it, XLA copied the whole decode cache on every
+                # call for the Llama 3.1-8B preset (22 GB, 50 ms a call against 16); choosing the source row first
+                # and inserting it once copied that row twice (1.2 GB more a call for Qwen3-8B).
                 s = jax.lax.cond(fill & (at >= 0), lambda s: self._insert(
                     s, self._continuation(park, at, feed, feed_len), 0, free_row, slot, row_key), lambda s: s, s)
 
