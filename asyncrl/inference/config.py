@@ -71,8 +71,8 @@ class InferenceConfig:
     slot one row-step; an extend pauses every slot for a pass over the weights, shared by up to max_prefill_prompts
     continuations that wait (extend_wait_s) to share it. Measured on a 2-core CPU, 3-turn episodes of 32-token
     turns and 5-token continuations: as many tokens/s or a few % more, and the decode slots busy 0.96 of the wall
-    time instead of 0.88 (`benchmarks/README.md`, "multiturn"). At target scale, Qwen3-8B on v5p (44 rows, a 16.9
-    ms step; an 8-token extend of up to 4 rows 11.7 ms, `launch.py aot`): an extend costs the batch what 7.6 fed
+    time instead of 0.88 (`benchmarks/README.md`, "multiturn"). At target scale, Qwen3-8B on v5p (44 rows, a 17.4
+    ms step; an 8-token extend of up to 4 rows 11.7 ms, `launch.py aot`): an extend costs the batch what 7.4 fed
     tokens a continuation cost with 4 rows to an extend, 30 with one. 0: every continuation through extend."""
     env_workers: Optional[int] = None
     """Threads that run environment steps (tools, games, the verifier) off the decode thread. None: one per row that
