@@ -103,11 +103,12 @@ class EpisodeDriver:
         idle; flushing them with it made a third of the extends one-row calls when continuations came in bursts.
         Waiting rows hold their park rows, so nothing waits while fewer than P park rows are free: a turn that ends
         meanwhile must find room, or its episode goes on by a prefill of its whole history."""
-        fed = [c for c in self._ready if c.park >= 0 and len(c.feed) <= self.cfg.decode_feed_tokens]
+        short = [c.park >= 0 and len(c.feed) <= self.cfg.decode_feed_tokens for c in self._ready]
+        fed = [c for c, s in zip(self._ready, short) if s]
         if fed:
             with self._lock:
                 version = self.version
-            self._ready = [c for c in self._ready if not (c.park >= 0 and len(c.feed) <= self.cfg.decode_feed_tokens)]
+            self._ready = [c for c, s in zip(self._ready, short) if not s]
             for c in fed:
                 c.group.episodes[c.k].add_observation(c.feed[1:], version)  # versions: the row's, at `_collect`
             self._queue.extendleft(reversed([(Fed(c.park, c.feed), -1, (c.group, c.k)) for c in fed]))
