@@ -18,8 +18,9 @@ token out). Neutral ground: inference produces them and train consumes them, and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class Prompt:
     """The eval round it belongs to; -1 for a train prompt."""
 
     @staticmethod
-    def for_eval(index: int, sample: Any, n: int, eval_round: int) -> "Prompt":
+    def for_eval(index: int, sample: Any, n: int, eval_round: int) -> Prompt:
         return Prompt(EVAL_POSITION_BASE + index, sample, n, eval_round)
 
     @property

@@ -35,20 +35,26 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+from typing import Any
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from asyncrl.inference.config import InferenceConfig  # noqa: E402
-from benchmarks.machine import describe, machine  # noqa: E402
 from asyncrl.inference.engine import Engine, Request  # noqa: E402
 from asyncrl.inference.replicas import ReplicaSet  # noqa: E402
-from asyncrl.models import Model, from_pretrained, preset, save_pretrained  # noqa: E402
-from asyncrl.models import params as params_lib  # noqa: E402
+from asyncrl.models import (  # noqa: E402
+    Model,
+    from_pretrained,
+    params as params_lib,  # noqa: E402
+    preset,
+    save_pretrained,
+)
 from asyncrl.rollout import Prompt  # noqa: E402
+from benchmarks.machine import describe, machine  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MODELS = {"tiny": "tiny", "smollm2": "SmolLM2-135M"}

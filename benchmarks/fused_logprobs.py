@@ -15,7 +15,7 @@ import argparse
 import json
 import pathlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

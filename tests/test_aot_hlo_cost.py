@@ -248,7 +248,6 @@ def test_scanned_layers_cost_the_same_as_unrolled(mesh) -> None:
 def test_f32_dots_count_their_mxu_passes(mesh) -> None:
     """TPU runs an f32 dot as bf16 passes: 1 at DEFAULT, 3 at HIGH (bf16_3x), 6 at HIGHEST. XLA counts one; the
     roofline must charge what the MXU runs. A bf16 dot is one pass whatever its precision."""
-    import jax
     import jax.numpy as jnp
 
     m, k, n = 256, 512, 1024

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncrl.rollout import Completion, Prompt, Rollout
+from asyncrl.orchestration.collect import RolloutTimeout, collect_rollouts
 from asyncrl.orchestration.evals import Evals
 from asyncrl.orchestration.feeder import Feeder, FeederError
 from asyncrl.orchestration.inference_worker import InferenceWorker
-from asyncrl.orchestration.trainer_worker import TrainerWorker
-from asyncrl.orchestration.collect import RolloutTimeout, collect_rollouts
 from asyncrl.orchestration.messages import GroupConsumed, WeightSync
 from asyncrl.orchestration.staleness import Staleness, StragglerWait
+from asyncrl.orchestration.trainer_worker import TrainerWorker
+from asyncrl.rollout import Completion, Prompt, Rollout
 from asyncrl.weightsync.config import WeightSyncConfig
 
 
@@ -514,9 +514,10 @@ def test_zero_variance_budget_fills_the_step_instead_of_sampling_forever():
     assert m["rollout/filtered_zero_variance"] == 5 and m["rollout/zero_variance_fillers"] == 3
     assert [r.prompt.position for r in kept] == [5, 6, 7, 8]
     assert seen == [(p, "zero_variance") for p in range(5)] + [(p, None) for p in (5, 6, 7, 8)]
-    from asyncrl.train.loss_config import LossConfig
-    from asyncrl.train.advantages import keep_sequences
     import jax.numpy as jnp
+
+    from asyncrl.train.advantages import keep_sequences
+    from asyncrl.train.loss_config import LossConfig
 
     rewards = jnp.asarray([c.reward for r in kept for c in r.completions])
     ids = jnp.asarray([g for g, r in enumerate(kept) for _ in r.completions])

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from asyncrl.config.loader import load_config
-from asyncrl.validate import ConfigError
 from asyncrl.models import CheckpointError, ModelConfigError, from_pretrained, save_pretrained
 from asyncrl.models.safetensors_io import SafetensorsFile, save_file
+from asyncrl.validate import ConfigError
 from tests.helpers import save_hf_model
 
 

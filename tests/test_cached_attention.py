@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from asyncrl.models import Model, preset
-from asyncrl.models import params as params_lib
+from asyncrl.models import Model, params as params_lib, preset
 from asyncrl.models.attention import attention, cached_attention
 from asyncrl.sharding.rules import tensor_parallel_rules
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from ray._private.accelerators import tpu
 from ray._private.accelerators.tpu import TPUAcceleratorManager
 from ray.autoscaler._private.util import prepare_config, validate_config

@@ -14,8 +14,8 @@ from asyncrl.models import Model, lora, preset
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import LoraConfig, MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
-from asyncrl.train.step import make_loss_fn, with_loss_inputs
 from asyncrl.train.mesh import shard_batch
+from asyncrl.train.step import make_loss_fn, with_loss_inputs
 from asyncrl.train.trainer import Trainer
 from asyncrl.validate import ConfigError
 from tests.helpers import make_rollouts, random_params

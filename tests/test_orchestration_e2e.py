@@ -10,6 +10,7 @@ import pytest
 
 from tests.helpers import TINY, launch, ray_pids, rows
 
+
 def test_end_to_end_three_hosts(tmp_path):
     before = ray_pids()
     run_dir = str(tmp_path / "run")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.plan.inputs import Affine, Lengths, Layout, ProgramTimes
+from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
 from asyncrl.plan.sim import simulate
 
 T = ProgramTimes(decode_step=Affine(0.01, 0.001), prefill=Affine(0.05), train_step=Affine(0.2),

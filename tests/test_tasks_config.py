@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from asyncrl.tasks import MixtureTask, TaskConfig, TaskSourceConfig, VerifierConfig, build_task
-from asyncrl.tasks import config as config_module
+from asyncrl.tasks import MixtureTask, TaskConfig, TaskSourceConfig, VerifierConfig, build_task, config as config_module
 from asyncrl.tasks.math_loader import DAPO_PREFIX, DAPO_SUFFIX
 
 PRESETS = os.path.join(os.path.dirname(__file__), "..", "configs", "task")

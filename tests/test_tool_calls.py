@@ -8,11 +8,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncrl.envs.tool_use import ToolEnv, Toolbox
+from asyncrl.envs.tool_use import Toolbox, ToolEnv
 from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.rollout import Turn
-from asyncrl.tools.calls import (PYTHON_TOOL, CallError, Llama31Format, Qwen3Format, ToolCall, ToolSpec, format_for,
-                                 template_has_tools)
+from asyncrl.tools.calls import (
+    PYTHON_TOOL,
+    CallError,
+    Llama31Format,
+    Qwen3Format,
+    ToolCall,
+    ToolSpec,
+    format_for,
+    template_has_tools,
+)
 from asyncrl.tools.config import ToolsConfig
 from tests.helpers import build_llama31_tokenizer, build_qwen3_tokenizer
 

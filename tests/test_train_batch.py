@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from asyncrl.rollout import Completion, Prompt, Rollout
+from asyncrl.train.advantages import prepare_loss_inputs
 from asyncrl.train.batch import build_batch, combine_host_metrics, pad_batch
 from asyncrl.train.loss_config import LossConfig
-from asyncrl.train.advantages import prepare_loss_inputs
 from asyncrl.train.step import with_loss_inputs
 from tests.helpers import make_rollouts
 

@@ -16,8 +16,8 @@ from asyncrl.models import Model, preset
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
-from asyncrl.train.registry import LOSSES
 from asyncrl.train.mesh import shard_batch
+from asyncrl.train.registry import LOSSES
 from asyncrl.train.step import make_train_step
 from asyncrl.train.trainer import Trainer
 from tests.helpers import make_rollouts, random_params

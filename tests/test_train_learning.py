@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl.rollout import Completion, Prompt, Rollout
 from asyncrl.models import Model, preset
-from asyncrl.train.batch import build_batch
 from asyncrl.orchestration.collect import collect_rollouts
 from asyncrl.orchestration.staleness import Staleness
+from asyncrl.rollout import Completion, Prompt, Rollout
+from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.trainer import Trainer

@@ -8,12 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from asyncrl.rollout import Completion, Prompt, Rollout
 from asyncrl.models import Model, preset
+from asyncrl.rollout import Completion, Prompt, Rollout
+from asyncrl.train.advantages import prepare_loss_inputs
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
-from asyncrl.train.advantages import prepare_loss_inputs
 from asyncrl.train.shaping import overlong_penalty
 from asyncrl.train.trainer import Trainer
 from tests.helpers import random_params

@@ -20,8 +20,8 @@ from asyncrl.train.advantages import keep_sequences, loss_weights, prepare_loss_
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
-from asyncrl.train.registry import get_loss
 from asyncrl.train.mesh import shard_batch
+from asyncrl.train.registry import get_loss
 from asyncrl.train.step import make_train_step, token_logprobs
 from asyncrl.train.trainer import Trainer
 from tests.helpers import make_rollouts, random_params

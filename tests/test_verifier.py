@@ -5,7 +5,6 @@ import pytest
 from asyncrl.tasks.extract import AnswerLimits, extract_answer, final_boxed, last_boxed, reject_reason, strip_thinking
 from asyncrl.tasks.grading import exact_equal, grade, math_equal
 
-
 # ---- extraction ---------------------------------------------------------------------------------------------
 
 

@@ -1,10 +1,10 @@
 """The Verifier's worker pool: ordering, futures, soft and hard time limits, crashes, start-up failure, close."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
-import logging
 import time
 from concurrent.futures import as_completed
 

@@ -34,7 +34,6 @@ def main() -> None:
 
     from asyncrl.train.batch import build_batch
     from asyncrl.train.trainer import Trainer
-
     from tests.helpers import multihost_setup
 
     setup = multihost_setup()

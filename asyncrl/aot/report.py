@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from asyncrl.aot.roofline import CHIPS, ChipSpec
 

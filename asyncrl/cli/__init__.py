@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Sequence
+from collections.abc import Sequence
 
 # command -> module under asyncrl.cli with a `main(argv) -> int`
 COMMANDS = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from asyncrl.aot.report import AotError, failure_message, format_table, json_rows, run_aot
 from asyncrl.config.loader import load_config, split_config_name

@@ -25,13 +25,14 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from asyncrl.validate import ConfigError
 from asyncrl.tasks import REASONS, Sample, Score, TaskConfig, summarize_rewards
+from asyncrl.validate import ConfigError
 
 FINISH_REASONS = ("eos", "length")
 

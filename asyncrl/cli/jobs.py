@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from asyncrl.config.loader import load_config, split_config_name
 from asyncrl.orchestration import submit as jobs

@@ -16,7 +16,8 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import yaml
 
@@ -124,8 +125,17 @@ def _target(args: argparse.Namespace, rest: Sequence[str]) -> int:
     import os
 
     from asyncrl.config.loader import load_config, split_config_name
-    from asyncrl.plan.target import Assumptions, PlanError, Target, closed_form_share, describe, format_points, plot, \
-        slots_note, sweep
+    from asyncrl.plan.target import (
+        Assumptions,
+        PlanError,
+        Target,
+        closed_form_share,
+        describe,
+        format_points,
+        plot,
+        slots_note,
+        sweep,
+    )
     from asyncrl.validate import ConfigError
 
     if args.what_if:

@@ -4,7 +4,7 @@ hosts, or on the cluster at RAY_ADDRESS."""
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from asyncrl.config.loader import load_config, split_config_name, to_yaml
 from asyncrl.validate import ConfigError

@@ -11,7 +11,8 @@ starts with the dotted key, raised before any JAX work starts.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf

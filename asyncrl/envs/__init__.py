@@ -8,12 +8,13 @@ the configured tools until the model answers), or another multi-turn one.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from asyncrl.envs.lookup import LookupEnv
 from asyncrl.envs.single_turn import SingleTurnEnv
 from asyncrl.envs.textarena import TextArenaEnv
-from asyncrl.envs.tool_use import ToolEnv, Toolbox
+from asyncrl.envs.tool_use import Toolbox, ToolEnv
 from asyncrl.tools.config import ToolsConfig
 
 EnvFactory = Callable[..., Any]

@@ -14,7 +14,8 @@ differently from the last one (Qwen3 drops past `<think>` blocks) render it the 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 _DUMMY_CALL = {"type": "function", "function": {"name": "tool", "arguments": {}}}
 

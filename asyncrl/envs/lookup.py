@@ -3,7 +3,8 @@ letter; anything else is the answer, graded by the task's verifier."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncrl.rollout import StepResult, Turn
 from asyncrl.tasks.lookup import ACTION, observation

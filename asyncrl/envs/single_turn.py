@@ -4,7 +4,8 @@ second rollout path beside the multi-turn one."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncrl.rollout import StepResult, Turn
 

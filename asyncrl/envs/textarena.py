@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncrl.envs.chat import ObservationRenderer
 from asyncrl.rollout import StepResult, Turn

@@ -18,12 +18,20 @@ Each step's `info["tools"]` lists its calls (name, error kind, latency): the too
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncrl.envs.chat import ObservationRenderer
 from asyncrl.rollout import StepResult, Turn
-from asyncrl.tools.calls import (PYTHON_TOOL, CallError, Llama31Format, ToolCall, format_for, template_has_tools,
-                                 tools_instruction)
+from asyncrl.tools.calls import (
+    PYTHON_TOOL,
+    CallError,
+    Llama31Format,
+    ToolCall,
+    format_for,
+    template_has_tools,
+    tools_instruction,
+)
 from asyncrl.tools.config import ToolsConfig
 
 SPECS = {"python": PYTHON_TOOL}

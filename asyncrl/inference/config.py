@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from asyncrl.validate import check, check_choice
 
@@ -20,13 +19,13 @@ class InferenceConfig:
     """Prompts prefilled together; the decode loop then draws group_size rows from each."""
     max_seq_len: int = 64
     """Prompt plus completion length; a row reaching it is stopped with a forced EOS (logprob 0)."""
-    max_new_tokens: Optional[int] = None
+    max_new_tokens: int | None = None
     """Optional cap on sampled tokens per row (a forced EOS follows); None means only max_seq_len limits."""
     min_prefill_bucket: int = 16
     """Smallest power-of-two prompt bucket; prompts are padded to the next power of two at or above this."""
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy. Logprobs are log_softmax(logits / temperature) (see sampling.py)."""
-    reasoning_budget: Optional[int] = None
+    reasoning_budget: int | None = None
     """If set, a row that has not emitted the end-of-think token by this length gets `think_phrase` forced in."""
     think_phrase: str = DEFAULT_THINK_PHRASE
     """Phrase forced at the reasoning budget; must end with the tokenizer's end-of-think token."""
@@ -50,10 +49,10 @@ class InferenceConfig:
     """Model turns per episode. 1: a single-turn task (one decode, graded once), compiled exactly as it always was.
     More: after each turn the task's environment answers with an observation, appended to the row's KV cache, and
     the row decodes again; the turn `max_turns` tells the environment it is the last."""
-    max_observation_tokens: Optional[int] = None
+    max_observation_tokens: int | None = None
     """Cap on one observation's tokens: a longer one ends the episode (`end_reason` "obs_cap"). None: only the
     context (max_seq_len) limits."""
-    max_parked_rows: Optional[int] = None
+    max_parked_rows: int | None = None
     """Rows of saved KV cache for episodes waiting on their environment, so their decode slots serve other rows
     meanwhile (None: max_decode_batch_size). An episode that finds the store full keeps going by re-prefilling its
     history when its observation comes (correct, slower). Only with max_turns > 1."""
@@ -74,7 +73,7 @@ class InferenceConfig:
     time instead of 0.88 (`benchmarks/README.md`, "multiturn"). At target scale, Qwen3-8B on v5p (44 rows, a 17.4
     ms step; an 8-token extend of up to 4 rows 11.7 ms, `launch.py aot`): an extend costs the batch what 7.4 fed
     tokens a continuation cost with 4 rows to an extend, 30 with one. 0: every continuation through extend."""
-    env_workers: Optional[int] = None
+    env_workers: int | None = None
     """Threads that run environment steps (tools, games, the verifier) off the decode thread. None: one per row that
     can wait on its environment at once (the park store plus the decode batch, at least 16), so a slow step queues
     behind no other: with too few, a 0.5 s step caps a replica at env_workers / 0.5 steps per second (measured:

@@ -28,9 +28,10 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -40,8 +41,8 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
 from asyncrl.inference.layout import cpu_decode_layout
 from asyncrl.inference.programs import DecodePrograms
-from asyncrl.inference.turns import EpisodeDriver
 from asyncrl.inference.state import DecodeState, FinishedRow, unpack_row
+from asyncrl.inference.turns import EpisodeDriver
 from asyncrl.models import dense
 from asyncrl.models.tokenizer import Tokenizer, bucket_length
 from asyncrl.models.transformer import Model

@@ -14,7 +14,6 @@ and decodes on from `feed[-1]` (`parking.ParkPrograms._extend_fn`).
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass, field
 from typing import Any
 

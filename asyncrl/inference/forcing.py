@@ -6,7 +6,7 @@ blog's versions don't mark them). All shapes are fixed; `index` is where the new
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -22,7 +22,8 @@ Single-turn engines compile exactly the two programs above.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

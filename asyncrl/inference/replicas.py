@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -92,7 +93,7 @@ class ReplicaSet:
         order = {id(r.prompt): i for i, r in enumerate(requests)}
         if len(order) < len(requests):
             raise ValueError("ReplicaSet.generate: two requests share one Prompt object; give each its own")
-        chunks: "queue.Queue[list[Request]]" = queue.Queue()
+        chunks: queue.Queue[list[Request]] = queue.Queue()
         step = self.cfg.max_prefill_prompts
         for s in range(0, len(requests), step):
             chunks.put(list(requests[s : s + step]))

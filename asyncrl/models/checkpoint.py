@@ -11,8 +11,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from asyncrl.models import params as params_lib
 from asyncrl.models.config import ModelConfig
-from asyncrl.models.params import ParamSpec, Params
+from asyncrl.models.params import Params, ParamSpec
 from asyncrl.models.safetensors_io import SafetensorsFile, save_file
 from asyncrl.models.transformer import Model
 from asyncrl.sharding.host import to_host

@@ -121,7 +121,7 @@ class ModelConfig:
     # ---- HF config.json <-> ModelConfig -------------------------------------------------------------------
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ModelConfigError(f"{source}: key 'architectures' is missing; expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
@@ -180,7 +180,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_folder(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_hf_folder(cls, path: str | os.PathLike) -> ModelConfig:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise ModelConfigError(f"{cfg_path}: no config.json in this folder; is it a Hugging Face model folder?")

@@ -35,7 +35,7 @@ class KVCache:
         return jax.tree.leaves(self.k)[0].shape[3]
 
 
-def zeros(cfg: Any, batch: int, length: int, dtype: Any, sharding: "KVCache | None" = None,
+def zeros(cfg: Any, batch: int, length: int, dtype: Any, sharding: KVCache | None = None,
           per_layer: bool = False) -> KVCache:
     """Zeroed cache of `length` positions for a model config, placed by `sharding` (a KVCache of shardings) when
     given. `per_layer`: k and v are tuples of one [1, B, K, S, Dh] array per layer."""

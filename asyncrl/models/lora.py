@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from asyncrl.models import params as params_lib
 from asyncrl.models.config import ModelConfig
-from asyncrl.models.params import ParamSpec, Params
+from asyncrl.models.params import Params, ParamSpec
 from asyncrl.sharding.rules import ShardingRules, tree_shardings
 
 # Config names (PEFT's module names less "_proj") -> LayerParams fields, in the layer's order.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import string
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ class Tokenizer:
         self.vocab_size = len(hf)
 
     @classmethod
-    def from_folder(cls, path: str, **kw) -> "Tokenizer":
+    def from_folder(cls, path: str, **kw) -> Tokenizer:
         from transformers import AutoTokenizer
 
         if not os.path.isdir(path):
@@ -84,8 +84,7 @@ def build_char_tokenizer(folder: str, alphabet: str = string.printable[:95] + "\
 
     Real component, not a mock: it is a `tokenizers` BPE with single-character vocab and no merges, saved as a
     PreTrainedTokenizerFast with a chat template, and loaded back through AutoTokenizer like any other."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     if os.path.isfile(os.path.join(folder, "tokenizer.json")):

@@ -26,16 +26,16 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from asyncrl.models import dense as dense_lib, embedding, kvcache, params as params_lib, ulysses
+from asyncrl.models.attention import attention, cached_attention
 from asyncrl.models.config import ModelConfig
 from asyncrl.models.flash import block_size, flash_attention_train
-from asyncrl.models.attention import attention, cached_attention
 from asyncrl.models.kvcache import KVCache, write_new, write_prefix
 from asyncrl.models.lora import LoraWeight, delta as lora_delta
 from asyncrl.models.params import LayerParams, Params
 from asyncrl.models.rope import apply_rope, rope_tables
+from asyncrl.ops.logprobs import fused_linear_selection
 from asyncrl.sharding.axes import TOKEN_AXES
 from asyncrl.sharding.rules import ShardingRules, drop_axes, spec_entry
-from asyncrl.ops.logprobs import fused_linear_selection
 
 _LOGPROB_CHUNK = 1024  # tokens per fused LM-head chunk in `get_logprobs`: bounds the [chunk, V] fp32 temporary
 
@@ -390,11 +390,11 @@ class Model:
     def param_shardings(self, mesh: jax.sharding.Mesh, dtype: Any = jnp.float32) -> Params:
         return params_lib.param_shardings(self.cfg, mesh, self.rules or ShardingRules(), dtype)
 
-    def with_rules(self, rules: ShardingRules | None) -> "Model":
+    def with_rules(self, rules: ShardingRules | None) -> Model:
         return dataclasses.replace(self, rules=rules)
 
-    def with_remat(self, remat: bool, policy: str = "full") -> "Model":
+    def with_remat(self, remat: bool, policy: str = "full") -> Model:
         return dataclasses.replace(self, remat=remat, remat_policy=policy)
 
-    def with_flash(self, flash: bool) -> "Model":
+    def with_flash(self, flash: bool) -> Model:
         return dataclasses.replace(self, flash=flash)

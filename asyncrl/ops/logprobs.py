@@ -34,11 +34,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 from asyncrl.sharding.axes import TOKEN_AXES
-
 
 # Casting to fp32 is not enough on TPU (and on GPUs with TF32): the default precision of an f32 matmul there is a
 # single bf16 (TF32) pass, whose logprob error (~1e-2 at Qwen-sized logits) would swamp the importance ratio.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 from asyncrl.validate import check, check_choice
 
@@ -113,7 +112,7 @@ class LoggingConfig:
 class RunConfig:
     name: str = "run"
     """Run name; the run directory defaults to runs/<name>."""
-    run_dir: Optional[str] = None
+    run_dir: str | None = None
     """Where metrics, checkpoints, tensorboard events and plots go. None -> runs/<name>."""
     seed: int = 0
     """Seed for params init, sampling and data order."""
@@ -136,10 +135,10 @@ class RunConfig:
     their own dashboard (cluster/*.yaml: loopback, reached through an SSH tunnel)."""
     dashboard_port: int = 8265
     """Port of the local dashboard (`run.dashboard`)."""
-    metrics_export_port: Optional[int] = None
+    metrics_export_port: int | None = None
     """Port of the local cluster's Prometheus endpoint (http://127.0.0.1:PORT/metrics, `run.dashboard`); None lets
     Ray pick a free one (the URL is printed)."""
-    tpu_topology: Optional[str] = None
+    tpu_topology: str | None = None
     """The TPU slice this config targets, in libtpu's naming (e.g. v5p:2x4x4 for a v5p-64): `launch.py aot`
     compiles every program for it when no --topology is given."""
 

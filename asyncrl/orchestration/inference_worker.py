@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from asyncrl.envs import Environments
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet
 from asyncrl.orchestration import faults
@@ -25,7 +26,6 @@ from asyncrl.orchestration.messages import InferenceReport, WeightSync
 from asyncrl.orchestration.queues import RPC, QueueTimeout
 from asyncrl.rollout import Rollout
 from asyncrl.sharding.roles import split_roles
-from asyncrl.envs import Environments
 from asyncrl.tasks import Verifier, build_task
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class InferenceWorker:
         self.errors: list[BaseException] = []
         self.timeout_s = t
         # Separate lanes: a train rollout blocked on the full (bounded) rollout queue must never hold up eval.
-        self.lanes: dict[bool, "queue.Queue[Rollout]"] = {
+        self.lanes: dict[bool, queue.Queue[Rollout]] = {
             True: queue.Queue(maxsize=max(1, cfg.eval.num_prompts)), False: queue.Queue(maxsize=256)}
 
     # ---- weight sync ----------------------------------------------------------------------------------------
@@ -268,8 +268,8 @@ class InferenceWorker:
 
     def run(self) -> dict[str, Any]:
         from asyncrl.models.sources import load_tokenizer, model_config
-        from asyncrl.orchestration.payload import SyncPayload
         from asyncrl.models.transformer import Model
+        from asyncrl.orchestration.payload import SyncPayload
         from asyncrl.weightsync.transfer import HopChainTransfer
 
         cfg = self.cfg

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from asyncrl.orchestration import jsonl
 from asyncrl.orchestration.messages import InferenceReport
 from asyncrl.orchestration.progress import Progress
 
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

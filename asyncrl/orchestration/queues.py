@@ -47,7 +47,7 @@ class RoleQueue:
     role: str = "?"
     default_timeout: float = 300.0
 
-    def as_role(self, role: str, default_timeout: float | None = None) -> "RoleQueue":
+    def as_role(self, role: str, default_timeout: float | None = None) -> RoleQueue:
         return RoleQueue(self.name, self.q, role, default_timeout or self.default_timeout)
 
     def put(self, item: Any, timeout: float | None = None) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncrl.orchestration import jsonl
 from asyncrl.rollout import Rollout

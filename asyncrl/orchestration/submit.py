@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 EXCLUDES = [".venv", ".git", "runs", "benchmarks/results", "__pycache__", "*.pyc", ".pytest_cache"]
 

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.orchestration import faults, jsonl
+from asyncrl.orchestration.collect import collect_rollouts
 from asyncrl.orchestration.evals import Evals
 from asyncrl.orchestration.export import export_hf
-from asyncrl.orchestration.collect import collect_rollouts
 from asyncrl.orchestration.feeder import Feeder
 from asyncrl.orchestration.messages import GroupConsumed, WeightSync
 from asyncrl.orchestration.metrics import RayGauges, inference_means

@@ -9,8 +9,8 @@ compute bound on a CPU), a prefill call of T prompt tokens `a + b T`, a train st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -26,7 +26,7 @@ class Affine:
         return self.fixed + self.per_unit * x
 
     @staticmethod
-    def fit(xs: Sequence[float], ys: Sequence[float]) -> "Affine":
+    def fit(xs: Sequence[float], ys: Sequence[float]) -> Affine:
         """Least squares over measured (x, seconds) points. Points that hardly vary in x (spread under half their
         mean: a train step's tokens, a full batch's rows) cannot separate the two parts, and noise then gives a
         slope of any size: their mean cost is taken as fixed. A negative part is refitted without it."""
@@ -90,7 +90,7 @@ class Lengths:
 
     @staticmethod
     def parametric(mean: float, max_len: int, prompt: int, tail: float = 0.6, n: int = 4096,
-                   seed: int = 0) -> "Lengths":
+                   seed: int = 0) -> Lengths:
         """A log-normal with that mean and log-space spread `tail` (0: every completion `mean` tokens), clipped at
         `max_len` (the budget: an overlong sample is cut there, which is the tail a run waits for)."""
         if tail <= 0:

@@ -25,8 +25,9 @@ programs at this scale.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from asyncrl.aot.roofline import CHIPS
 from asyncrl.plan.from_run import IDLE_POLL_S
@@ -91,7 +92,7 @@ class Target:
     assume: Assumptions
 
     @staticmethod
-    def of(cfg: Any, rows: Sequence[dict[str, Any]], assume: Assumptions) -> "Target":
+    def of(cfg: Any, rows: Sequence[dict[str, Any]], assume: Assumptions) -> Target:
         return Target(cfg, _rows_by_program(rows), assume)
 
     @property

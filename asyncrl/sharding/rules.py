@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -107,7 +108,7 @@ class ShardingRules:
     def sharding(self, mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int], nbytes: int | None = None, name: str = "array") -> NamedSharding:
         return NamedSharding(mesh, self.spec(logical_axes, shape, mesh, nbytes, name))
 
-    def replace(self, **kw: Any) -> "ShardingRules":
+    def replace(self, **kw: Any) -> ShardingRules:
         return dataclasses.replace(self, **kw)
 
 

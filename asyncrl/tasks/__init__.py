@@ -8,8 +8,7 @@
 
 from asyncrl.tasks.base import REASONS, Sample, Score, Task
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig, VerifierConfig
-from asyncrl.tasks.digits import CHARSET as DIGITS_CHARSET
-from asyncrl.tasks.digits import DigitsOptions, DigitsTask
+from asyncrl.tasks.digits import CHARSET as DIGITS_CHARSET, DigitsOptions, DigitsTask
 from asyncrl.tasks.extract import AnswerLimits, extract_answer, reject_reason
 from asyncrl.tasks.grading import exact_equal, grade, math_equal
 from asyncrl.tasks.gym import GymTask

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import abc
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Union
+from typing import Any, Union
 
 Prompt = Union[str, list]
 """Plain text, or chat messages as a list of {"role": ..., "content": ...} dicts."""

@@ -6,7 +6,7 @@ YAML presets live in `configs/task/*.yaml` and hold only these fields. Errors na
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from asyncrl.validate import check, check_choice
 
@@ -33,18 +33,18 @@ class TaskSourceConfig:
     """Registered task: 'digits' (our tiny task), 'reasoning_gym' (generated problems), 'math_file' (local files)."""
     weight: float = 1.0
     """Relative share of training samples drawn from this source (> 0); weights need not sum to 1."""
-    path: Optional[str] = None
+    path: str | None = None
     """math_file: a .jsonl/.json/.parquet file, or a glob matching several; ignored by generated tasks."""
-    schema: Optional[str] = None
+    schema: str | None = None
     """math_file: dataset layout, one of dapo, math500, aime2024, aime2025, amc, gsm8k; null = detect from fields."""
-    field_map: Dict[str, str] = field(default_factory=dict)
+    field_map: dict[str, str] = field(default_factory=dict)
     """math_file: our field -> the file's column for files in no known layout, e.g. {problem: q, answer: a.final}.
     Keys: problem, answer, id. Setting it overrides `schema`."""
     split: str = "both"
     """Which split this source feeds: 'train', 'eval', or 'both' (then `task.eval_size` items are held out)."""
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     """Task-specific settings, e.g. digits {op: max, min_digits: 3}, reasoning_gym {dataset: chain_sum, ...}."""
-    environment: Optional[str] = None
+    environment: str | None = None
     """The environment its samples are played in: null = the task's own ('single_turn' for a task with an answer:
     graded once); 'tools' = turns that may call the run's `tools` (a sandboxed Python) before answering."""
 
@@ -102,7 +102,7 @@ class VerifierConfig:
 class TaskConfig:
     """The task section: a weighted mixture of sources, one prompt template, one verifier."""
 
-    sources: List[TaskSourceConfig] = field(default_factory=lambda: [TaskSourceConfig()])
+    sources: list[TaskSourceConfig] = field(default_factory=lambda: [TaskSourceConfig()])
     """The tasks to train and evaluate on; training interleaves them by weight."""
     prompt_template: str = "plain"
     """'plain': one text prompt; 'chat': a list of messages for the tokenizer's chat template. Digits ignores it."""

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
-from asyncrl.validate import check, check_choice
 from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash, stable_unit
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
+from asyncrl.validate import check, check_choice
 
 # op -> (letter shown in mixed mode, rule)
 OPS: dict[str, tuple[str, Callable[[tuple[int, ...]], int]]] = {

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 ANSWER_FORMATS = ("boxed", "answer_tag", "answer_line", "gsm8k", "final_answer")
 """boxed: last `\\boxed{..}`/`\\fbox{..}`, or the final run of several, graded as a set (`final_boxed`);

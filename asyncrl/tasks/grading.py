@@ -8,7 +8,8 @@ plain-expression path calls sympy's `parse_expr`, which evaluates Python, so it 
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncrl.tasks.base import Score
 from asyncrl.tasks.extract import AnswerLimits, clean_answer, extract_answer, reject_reason

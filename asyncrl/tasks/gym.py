@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-from asyncrl.validate import ConfigError, check_choice
 from asyncrl.tasks.base import Sample, Score, Task, check_split
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.extract import ANSWER_FORMATS, extract_answer, render_answer
 from asyncrl.tasks.prompts import PromptFormat
+from asyncrl.validate import ConfigError, check_choice
 
 _ARITHMETIC_ONLY = re.compile(r"[0-9+\-*/() ]{1,200}")
 

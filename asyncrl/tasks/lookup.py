@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import random
 import string
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig

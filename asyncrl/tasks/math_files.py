@@ -12,15 +12,15 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
-from asyncrl.validate import ConfigError, check, check_choice
 from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash, stable_unit
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.extract import ANSWER_FORMATS, AnswerLimits, render_answer
 from asyncrl.tasks.grading import grade, warmup_math
 from asyncrl.tasks.math_loader import SCHEMAS, MathFileLoader, MathRow, SkippedRow, problem_key, resolve_paths
 from asyncrl.tasks.prompts import PromptFormat
+from asyncrl.validate import ConfigError, check, check_choice
 
 
 class MathFileTask(Task):

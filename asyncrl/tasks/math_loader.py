@@ -13,11 +13,12 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
-from asyncrl.validate import check_choice
 from asyncrl.tasks.config import MATH_FILE_SCHEMAS
+from asyncrl.validate import check_choice
 
 logger = logging.getLogger(__name__)
 

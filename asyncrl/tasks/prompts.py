@@ -17,7 +17,7 @@ class PromptFormat:
     instruction: str = DEFAULT_INSTRUCTION
 
     @classmethod
-    def from_config(cls, cfg: TaskConfig) -> "PromptFormat":
+    def from_config(cls, cfg: TaskConfig) -> PromptFormat:
         return cls(cfg.prompt_template, cfg.system_prompt, cfg.instruction)
 
     def render(self, problem: str) -> Prompt:

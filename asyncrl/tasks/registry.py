@@ -7,9 +7,8 @@ their factories, so imports run one way (base <- task modules <- registry) and t
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from asyncrl.validate import ConfigError
 from asyncrl.tasks.base import Task
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.digits import build_digits
@@ -18,6 +17,7 @@ from asyncrl.tasks.lookup import build_lookup
 from asyncrl.tasks.math_files import build_math_file
 from asyncrl.tasks.mixture import MixtureTask
 from asyncrl.tasks.textarena import build_textarena
+from asyncrl.validate import ConfigError
 
 TaskFactory = Callable[[TaskSourceConfig, TaskConfig, str], Task]
 """(source config, whole task config, dotted key of the source for error messages) -> Task."""

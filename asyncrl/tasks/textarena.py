@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import random
 import threading
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig

@@ -25,10 +25,10 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Sequence
 
 from asyncrl.tasks.base import Sample, Score, Task
 from asyncrl.tasks.config import VerifierConfig
@@ -91,7 +91,7 @@ class Verifier:
 
     # -- public API --
 
-    def submit(self, completion: str, sample: Sample, timeout: float | None = None) -> "Future[Score]":
+    def submit(self, completion: str, sample: Sample, timeout: float | None = None) -> Future[Score]:
         """Queue one answer; the future resolves to its Score (never raises for a bad answer). With the pool full
         (`max_pending` answers queued), wait up to `timeout` (default `task.verifier.submit_timeout_s`) for room,
         then raise TimeoutError."""
@@ -159,7 +159,7 @@ class Verifier:
         self._wake_r.close()
         self._wake_w.close()
 
-    def __enter__(self) -> "Verifier":
+    def __enter__(self) -> Verifier:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -5,7 +5,6 @@ Tools are used by the episodes of a task source whose `environment` is 'tools' (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
 
 from asyncrl.validate import check, check_choice
 
@@ -15,7 +14,7 @@ TOOL_FORMATS = ("auto", "qwen3", "llama3.1")
 
 @dataclass(frozen=True)
 class ToolsConfig:
-    tools: List[str] = field(default_factory=lambda: ["python"])
+    tools: list[str] = field(default_factory=lambda: ["python"])
     """The tools offered to the model (their schemas go through `apply_chat_template(..., tools=...)`)."""
     format: str = "auto"
     """How calls are written: 'qwen3' (<tool_call> JSON), 'llama3.1' (<|python_tag|> and JSON calls), or 'auto':

@@ -10,8 +10,9 @@ overlong filtering clears the loss mask of truncated completions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,7 +44,7 @@ class RLBatch:
     truncated: np.ndarray  # [B] bool, the completion was cut at the length limit (finish_reason 'length')
 
     @staticmethod
-    def abstract(batch_size: int, seq_len: int, sharding: Callable[[int], Any] | None = None) -> "RLBatch":
+    def abstract(batch_size: int, seq_len: int, sharding: Callable[[int], Any] | None = None) -> RLBatch:
         """ShapeDtypeStructs of a [batch_size, seq_len] batch; `sharding(ndim)` places each leaf (e.g.
         `TrainShardings.batch`). Lets a train step be lowered and compiled without any data."""
         def leaf(name: str, dtype: Any, ndim: int) -> jax.ShapeDtypeStruct:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
 
 from asyncrl.validate import check, check_choice
 
@@ -72,7 +71,7 @@ class LoraConfig:
     """Adapter rank r; 0 trains every weight (no adapters)."""
     alpha: float = 16.0
     """The adapters' output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
-    targets: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Which projections get adapters: any of q, k, v, o, gate, up, down."""
     freeze_a: bool = False
     """LoRA-FA: A stays at its random init and only B trains (no gradient or optimizer state for A), so each

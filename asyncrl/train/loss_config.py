@@ -9,7 +9,6 @@ fields in a `# Reads:` line (tests/test_losses.py keeps the two in step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from asyncrl.validate import ConfigError, check, check_choice
 
@@ -35,14 +34,14 @@ class LossConfig:
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to the reference policy, the params the run started from (after any format
     warm-start). 0 turns it off, and no reference is kept."""
-    is_mode: Optional[str] = None
+    is_mode: str | None = None
     """Rollout correction between the proximal policy and the sampler ('behaviour'): 'truncate' (TIS, weight
     min(w, tis_cap)), 'mask' (MIS, weight w where is_mask_low <= w <= is_mask_high, else 0), or None: off, unless
     tis_cap is set, which alone means 'truncate'. w = pi_prox / pi_sampler at the level of `is_level`."""
     is_level: str = "token"
     """Where the correction weight w is taken: 'token' (per token), 'sequence' (product over the sequence's loss
     tokens) or 'geometric' (geometric mean over them). Sequence levels weight every token of a row alike."""
-    tis_cap: Optional[float] = None
+    tis_cap: float | None = None
     """The cap C of is_mode='truncate' (>= 1). Setting it without is_mode turns truncation on."""
     is_mask_low: float = 0.5
     """Lower bound of the kept band of is_mode='mask' (in [0, 1])."""
@@ -54,13 +53,13 @@ class LossConfig:
     filter_zero_variance: bool = False
     """Drop groups whose rewards are all equal from the batch normalisation (their weights become 0), as DAPO's
     dynamic sampling does; they carry no policy gradient anyway."""
-    normalization: Optional[str] = None
+    normalization: str | None = None
     """Override the token normalisation: 'seq_mean', 'token_mean' or 'constant'. None uses the loss's default."""
-    max_tokens: Optional[int] = None
+    max_tokens: int | None = None
     """The generation budget in completion tokens: the constant of 'constant' normalisation (Dr. GRPO) and the
     end of the overlong buffer. None: the run config fills it from the inference section (`generation_budget`);
     a LossConfig built by hand must set it for either use."""
-    overlong_buffer: Optional[int] = None
+    overlong_buffer: int | None = None
     """DAPO's soft overlong punishment: a completion of L tokens with L > max_tokens - overlong_buffer gets
     overlong_penalty * (max_tokens - overlong_buffer - L) / overlong_buffer added to its reward, and one cut by
     the length limit gets -overlong_penalty. None turns it off."""

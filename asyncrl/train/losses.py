@@ -42,7 +42,8 @@ and `<x>_tokens` into the fraction `<x>_frac`, both over `token_count`. Min/max 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp

@@ -7,7 +7,8 @@ Weight decay skips norm scales: decaying a gain towards 0 shrinks the residual s
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -16,8 +16,8 @@ in `configs/loss/` and the README's table against it. Adding a loss is one `regi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 

@@ -23,7 +23,8 @@ logits are never materialised, and entropy comes from the same scan.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,16 +34,16 @@ from jax.sharding import PartitionSpec as P
 from asyncrl.models import lora as lora_lib, params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
+from asyncrl.ops.logprobs import fused_logprobs_and_entropy, scale_for_temperature
+from asyncrl.sharding.axes import DATA_AXES
 from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weights, prepare_loss_inputs
 from asyncrl.train.batch import RLBatch
 from asyncrl.train.config import LoraConfig
-from asyncrl.ops.logprobs import fused_logprobs_and_entropy, scale_for_temperature
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import Metrics, finalize_metrics, metric_reduction
-from asyncrl.train.registry import get_loss, validate
-from asyncrl.sharding.axes import DATA_AXES
 from asyncrl.train.mesh import TrainShardings
 from asyncrl.train.optimizer import Schedule
+from asyncrl.train.registry import get_loss, validate
 
 StepFn = Callable[[Params, Any, RLBatch, jax.Array], tuple[Params, Any, Metrics]]
 

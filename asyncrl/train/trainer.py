@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,12 @@ from asyncrl.train.batch import HostMetrics, RLBatch, combine_host_metrics, pad_
 from asyncrl.train.config import ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.mesh import (
-    host_allgather, make_shardings, make_train_mesh, shard_batch, supports_memory_kind, train_rules,
+    host_allgather,
+    make_shardings,
+    make_train_mesh,
+    shard_batch,
+    supports_memory_kind,
+    train_rules,
     trainer_processes,
 )
 from asyncrl.train.optimizer import lr_schedule, make_optimizer

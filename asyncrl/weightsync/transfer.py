@@ -35,8 +35,9 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,6 @@ from jax._src import distributed
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.sharding.roles import split_roles
-
 
 # Where `free_port` looks: above Ray's worker ports (10002-19999 by default) and below Linux's ephemeral range
 # (32768-60999 by default; macOS starts at 49152).
