@@ -321,3 +321,32 @@ def test_no_memory_outside_the_cap_through_memfd():
         assert "Operation not permitted" in r.output
         contained(sb, "open('/dev/shm/x', 'wb').write(bytes(1 << 20))", ("forbidden",))
         assert not os.path.exists("/dev/shm/x")
+
+
+def test_remove_is_resumable_keeps_links_and_never_raises(tmp_path):
+    """The cleanup alone: stopped at its deadline it leaves a whole tree that a later call finishes; it deletes a
+    symlink, never what it points to; mode-000 directories and a 1,500-deep chain go too."""
+    from asyncrl.tools.sandbox import _remove
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    root = tmp_path / "call"
+    deep = os.open(str(tmp_path), os.O_RDONLY)
+    os.mkdir("call", dir_fd=deep)
+    for depth in range(1501):  # by fd: the path outgrows PATH_MAX
+        nxt = os.open("call" if depth == 0 else "d", os.O_RDONLY, dir_fd=deep)
+        os.close(deep)
+        deep = nxt
+        os.mkdir("d", dir_fd=deep)
+    os.close(deep)
+    for i in range(50):
+        (root / f"f{i}").write_text("x")
+    (root / "link").symlink_to(outside)
+    (root / "locked" / "inner").mkdir(parents=True)
+    os.chmod(root / "locked" / "inner", 0)
+    os.chmod(root / "locked", 0)
+    assert _remove(str(root), deadline=time.monotonic()) is False and root.exists()
+    assert _remove(str(root)) is True and not root.exists()
+    assert (outside / "keep.txt").read_text() == "keep"
+    assert _remove(str(tmp_path / "never-made")) is True
