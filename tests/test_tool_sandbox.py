@@ -25,9 +25,17 @@ class Spawned(list):
         super().__init__()
         self._lock = threading.Lock()
 
+        self.workdirs: dict[int, str] = {}
+
     def __call__(self, pid: int) -> None:
+        try:  # the child starts in its call's temp dir; the job (and the code) reaches it only after this hook
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            cwd = None
         with self._lock:
             self.append(pid)
+            if cwd is not None:
+                self.workdirs[pid] = cwd
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +241,112 @@ def test_the_audit_hook_fallback_stops_honest_mistakes(tmp_path):
 def test_layers_are_reported():
     assert set(LAYERS) >= {"landlock", "landlock_abi", "seccomp"}
     assert LAYERS["landlock"] == (LAYERS["landlock_abi"] >= 1)
+
+
+def _workdir_of_last_call(sb: PythonSandbox) -> str:
+    return sb.spawned.workdirs[sb.spawned[-1]]
+
+
+def test_a_deep_tree_is_removed_without_raising():
+    """1,500 nested directories: deeper than Python's recursion limit and than PATH_MAX as one path. (Landlock
+    checks each access up the whole path: making them takes seconds, hence the longer limits.)"""
+    spawned = Spawned()
+    with PythonSandbox(SandboxLimits(wall_s=20.0, cpu_s=15), workers=1, on_spawn=spawned) as sb:
+        sb.spawned = spawned
+        r = sb.run("import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\nprint(len(os.getcwd()))")
+        assert r.ok and int(r.output) > 3000, r
+        assert sb.wait_for_cleanup(30)
+        assert not os.path.exists(_workdir_of_last_call(sb))
+
+
+def test_many_files_are_cleaned_up_within_a_bound():
+    """Code that makes directories until the wall limit: removing them takes longer than making them. The call
+    returns within its limit and a bounded cleanup; what is left is removed in the background."""
+    spawned = Spawned()
+    with PythonSandbox(SandboxLimits(wall_s=3.0, cpu_s=5), workers=1, on_spawn=spawned) as sb:
+        sb.spawned = spawned
+        r = sb.run("import os\ni = 0\nwhile True:\n    os.mkdir(str(i))\n    i += 1")
+        assert r.error == "timeout", r
+        assert r.latency_s < sb.limits.wall_s + 1.0, r
+        assert sb.wait_for_cleanup(60)
+        assert not os.path.exists(_workdir_of_last_call(sb))
+        assert sb.run("print(6*7)").output == "42\n"
+
+
+@pytest.fixture
+def outside_file():
+    """A file outside the call's temp dir that the call's uid owns, in a directory anyone may enter: file modes
+    would let the call change its metadata, so only the sandbox can stop it."""
+    folder = tempfile.mkdtemp(prefix="sandbox-test-")
+    os.chmod(folder, 0o755)
+    path = os.path.join(folder, "victim.txt")
+    with open(path, "w") as f:
+        f.write("x")
+    os.chmod(path, 0o644)
+    if LAYERS["drop_uid"]:
+        os.chown(path, 65534, 65534)
+    try:
+        yield path
+    finally:
+        os.remove(path)
+        os.rmdir(folder)
+
+
+@kernel
+def test_no_metadata_changes_outside_the_temp_dir(box, outside_file):
+    """Landlock has no right for a file's times, mode, owner or extended attributes: the seccomp filter refuses
+    those calls (inside the temp dir too: a calculation does not need them)."""
+    before = os.stat(outside_file)
+    for code in [f"import os; os.utime({outside_file!r}, (0, 0))", f"import os; os.utime({outside_file!r})",
+                 f"import os; os.chmod({outside_file!r}, 0o777)",
+                 f"import os; os.setxattr({outside_file!r}, 'user.x', b'1')"]:
+        r = contained(box, code, ("forbidden",))
+        assert "Operation not permitted" in r.output, (code, r)
+    after = os.stat(outside_file)
+    assert (after.st_mtime_ns, after.st_atime_ns, after.st_mode) == \
+        (before.st_mtime_ns, before.st_atime_ns, before.st_mode)
+    assert os.listxattr(outside_file) == []
+
+
+@kernel
+def test_no_memory_outside_the_cap_through_memfd():
+    """Pages of a memfd (or any shared-memory file) are not address space: RLIMIT_AS would let the code hold
+    20 x 16 MB beside a 128 MB cap. memfd_create is refused; /dev/shm is outside Landlock's rules."""
+    spawned = Spawned()
+    with PythonSandbox(SandboxLimits(wall_s=10.0, cpu_s=8, memory_mb=128), workers=1, on_spawn=spawned) as sb:
+        sb.spawned = spawned
+        code = ("import os\nfds, block = [], bytes(16 << 20)\nfor _ in range(20):\n    fd = os.memfd_create('x')\n"
+                "    os.write(fd, block)\n    fds.append(fd)\nprint(len(fds))")
+        r = contained(sb, code, ("forbidden",))
+        assert "Operation not permitted" in r.output
+        contained(sb, "open('/dev/shm/x', 'wb').write(bytes(1 << 20))", ("forbidden",))
+        assert not os.path.exists("/dev/shm/x")
+
+
+def test_remove_is_resumable_keeps_links_and_never_raises(tmp_path):
+    """The cleanup alone: stopped at its deadline it leaves a whole tree that a later call finishes; it deletes a
+    symlink, never what it points to; mode-000 directories and a 1,500-deep chain go too."""
+    from asyncrl.tools.sandbox import _remove
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    root = tmp_path / "call"
+    deep = os.open(str(tmp_path), os.O_RDONLY)
+    os.mkdir("call", dir_fd=deep)
+    for depth in range(1501):  # by fd: the path outgrows PATH_MAX
+        nxt = os.open("call" if depth == 0 else "d", os.O_RDONLY, dir_fd=deep)
+        os.close(deep)
+        deep = nxt
+        os.mkdir("d", dir_fd=deep)
+    os.close(deep)
+    for i in range(50):
+        (root / f"f{i}").write_text("x")
+    (root / "link").symlink_to(outside)
+    (root / "locked" / "inner").mkdir(parents=True)
+    os.chmod(root / "locked" / "inner", 0)
+    os.chmod(root / "locked", 0)
+    assert _remove(str(root), deadline=time.monotonic()) is False and root.exists()
+    assert _remove(str(root)) is True and not root.exists()
+    assert (outside / "keep.txt").read_text() == "keep"
+    assert _remove(str(tmp_path / "never-made")) is True

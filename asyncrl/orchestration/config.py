@@ -101,10 +101,18 @@ class LoggingConfig:
     rollouts_every_n_steps: int = 0
     """Every this many steps, append the step's trained rollouts (text, reward, reason, per-token weight versions
     run-length encoded) to run_dir/rollouts.jsonl. 0 disables."""
+    rollout_tokens: bool = False
+    """The audit trail: each logged rollout also holds its prompt's token ids, and each completion its token ids,
+    sampler logprobs, forced and observation marks, weight versions and turns, token for token: enough to recompute
+    from rollouts.jsonl alone what the trainer scored. Needs `rollouts_every_n_steps` >= 1; about 30 bytes a
+    token."""
 
     def __post_init__(self) -> None:
         check_choice("logging.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
         check("logging.rollouts_every_n_steps", self.rollouts_every_n_steps, self.rollouts_every_n_steps >= 0, ">= 0")
+        check("logging.rollout_tokens", self.rollout_tokens,
+              not self.rollout_tokens or self.rollouts_every_n_steps >= 1,
+              "false unless logging.rollouts_every_n_steps >= 1 (it adds to the rollouts that logs)")
         check("logging.progress_every_n_steps", self.progress_every_n_steps, self.progress_every_n_steps >= 1, ">= 1")
 
 

@@ -10,8 +10,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from asyncrl.orchestration import jsonl
-from asyncrl.rollout import Rollout
+from asyncrl.rollout import Completion, Rollout
 
 
 def rollouts_path(run_dir: str, rank: int) -> str:
@@ -30,11 +32,27 @@ def truncate(run_dir: str, step: int) -> None:
         jsonl.truncate(path, lambda r: r.get("step", 0) <= step)
 
 
-def log_rollouts(path: str, step: int, version: int, rollouts: Sequence[Rollout], drops: Sequence[dict]) -> None:
-    jsonl.append(path, [*drops, *(_record(step, version, r) for r in rollouts)])
+def log_rollouts(path: str, step: int, version: int, rollouts: Sequence[Rollout], drops: Sequence[dict],
+                 tokens: bool = False) -> None:
+    """`tokens` (`logging.rollout_tokens`): each record also holds its prompt's ids and each completion's
+    per-token arrays (`token_record`), enough to recompute from this file alone what the trainer scored."""
+    jsonl.append(path, [*drops, *(_record(step, version, r, tokens) for r in rollouts)])
 
 
-def _record(step: int, version: int, r: Rollout) -> dict[str, Any]:
+def token_record(c: Completion) -> dict[str, list]:
+    """A completion's per-token arrays, index for index: the ids (model turns and observations), the sampler's
+    logprobs (0 where forced), forced (the engine or the environment wrote it; 1/0), observation (the
+    environment's; 1/0), the weight version in force at each, and the model turn each belongs to."""
+    n = len(c.tokens)
+    zeros = [0] * n
+    return {"ids": np.asarray(c.tokens).tolist(), "logprobs": np.asarray(c.logprobs, np.float32).tolist(),
+            "forced": np.asarray(c.forced, np.int8).tolist(),
+            "observation": zeros if c.observation is None else np.asarray(c.observation, np.int8).tolist(),
+            "versions": np.asarray(c.versions).tolist(), "turns": zeros if c.turns is None else
+            np.asarray(c.turns).tolist()}
+
+
+def _record(step: int, version: int, r: Rollout, tokens: bool = False) -> dict[str, Any]:
     return {"step": step, "trainer_version": version, "pid": os.getpid(), "id": r.prompt.id,
             "position": r.prompt.position, "worker": r.worker, "prompt_tokens": int(len(r.prompt_tokens)),
             "completions": [{
@@ -46,4 +64,6 @@ def _record(step: int, version: int, r: Rollout) -> dict[str, Any]:
                 **({"env_info": c.env_info} if c.env_info else {}),  # e.g. each turn's tool calls and results
                 # [[first token index, version], ...]: one entry per run of equal versions
                 "versions": [[0, c.start_version], *map(list, c.version_boundaries)] if len(c.tokens) else [],
-            } for c in r.completions]}
+                **({"tokens": token_record(c)} if tokens else {}),
+            } for c in r.completions],
+            **({"prompt_ids": np.asarray(r.prompt_tokens).tolist()} if tokens else {})}

@@ -9,9 +9,15 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 
 EXCLUDES = [".venv", ".git", "runs", "benchmarks/results", "__pycache__", "*.pyc", ".pytest_cache"]
+# A head just started with `ray start` refuses jobs with this until its dashboard agent registers (tens of seconds
+# under load): a submission then waits, up to `agent_wait_s`, instead of failing.
+NO_AGENT = "No available agent to submit job"
+AGENT_WAIT_S = 120.0
+AGENT_POLL_S = 2.0
 
 
 def _address(address: str | None) -> str:
@@ -31,14 +37,38 @@ def _client(address: str | None):
     return JobSubmissionClient(_address(address))
 
 
-def submit(address: str | None, launch_args: Sequence[str], python: str | None = None, wait: bool = False) -> int:
+def submit_when_ready(client, wait_s: float = AGENT_WAIT_S, **job) -> str:
+    """`client.submit_job(**job)`, retried while the head answers NO_AGENT, for up to `wait_s` seconds; then a
+    SystemExit that says what was waited for. Any other error is raised at once."""
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as e:
+            if NO_AGENT not in str(e):
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SystemExit(f"error: the head still answers '{NO_AGENT}' after {wait_s:g}s: its dashboard "
+                                 "agent has not started (check the head's dashboard_agent logs), or pass a "
+                                 "longer --agent-wait-s") from e
+            if not waiting:
+                print(f"the head has no job agent yet (just started?): waiting up to {wait_s:g}s", file=sys.stderr)
+                waiting = True
+            time.sleep(min(AGENT_POLL_S, left))
+
+
+def submit(address: str | None, launch_args: Sequence[str], python: str | None = None, wait: bool = False,
+           agent_wait_s: float = AGENT_WAIT_S) -> int:
     client = _client(address)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     addr = _address(address)
     local = any(h in addr for h in ("127.0.0.1", "localhost"))
     py = python or (sys.executable if local else "python")
     entry = " ".join([shlex.quote(py), "launch.py", *map(shlex.quote, launch_args)])
-    job_id = client.submit_job(entrypoint=entry, runtime_env={"working_dir": root, "excludes": EXCLUDES})
+    job_id = submit_when_ready(client, agent_wait_s, entrypoint=entry,
+                               runtime_env={"working_dir": root, "excludes": EXCLUDES})
     print(f"submitted job {job_id}")
     print(f"dashboard: {addr.rstrip('/')}/#/jobs/{job_id}")
     print(f"follow:    python launch.py logs {job_id}   |   status: python launch.py status {job_id}")
@@ -48,8 +78,6 @@ def submit(address: str | None, launch_args: Sequence[str], python: str | None =
 
 
 def wait_for(address: str | None, job_id: str, timeout_s: float = 3600) -> int:
-    import time
-
     client = _client(address)
     t0 = time.time()
     while time.time() - t0 < timeout_s:

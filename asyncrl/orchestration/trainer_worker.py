@@ -117,7 +117,8 @@ class TrainerWorker:
         cfg, t = self.cfg, self.cfg.async_.queue_timeout_s
         task = build_task(cfg.task)
         remote = self.q["consumed"].drain if self.tw > 1 else None
-        self.feeder = Feeder(lambda: task.samples("train", cfg.task.seed), lambda item, to: self.q["prompt"].put(item, to),
+        self.feeder = Feeder(lambda: task.samples("train", cfg.task.seed),
+                             lambda item, to: self.q["prompt"].put(item, to),
                              prompts_per_step=self.P, staleness=self.staleness, group_size=cfg.inference.group_size,
                              oversample=cfg.loss.filter_zero_variance,
                              drain_remote=remote, timeout_s=t, who=f"trainer{self.rank}")
@@ -179,16 +180,19 @@ class TrainerWorker:
                     zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),
                     straggler=self.straggler, tools=self.tool_metrics,
                 )
-                rollouts.sort(key=lambda r: r.prompt.position)  # by data position: same batch order whatever arrived first
+                # By data position: the same batch order, whatever arrived first.
+                rollouts.sort(key=lambda r: r.prompt.position)
                 batch = build_batch(rollouts, cfg.loss, cfg.train.pad_to_multiple)
                 every = cfg.logging.rollouts_every_n_steps
                 if every and step % every == 0:
-                    log_rollouts(rollouts_path(self.run_dir, self.rank), step, tr.version, rollouts, drops)
+                    log_rollouts(rollouts_path(self.run_dir, self.rank), step, tr.version, rollouts, drops,
+                                 tokens=cfg.logging.rollout_tokens)
                 metrics = tr.step(batch, host_m)
                 sync_m = self.sync_weights()
                 n_tokens = float(np.asarray(batch.seq_lens).sum()) * self.tw
                 row: dict[str, Any] = {"step": step, **metrics, **sync_m, "weight_version": tr.version,
-                                       "train/tokens_per_s": n_tokens / max(metrics.get("train/step_time_s", 1e-9), 1e-9),
+                                       "train/tokens_per_s":
+                                           n_tokens / max(metrics.get("train/step_time_s", 1e-9), 1e-9),
                                        "step_time_s": time.perf_counter() - t0, "time": time.time()}
                 # The straggler wait is bounded by the trainer's busy time per step (staleness.StragglerWait).
                 self.straggler.note_busy(row["step_time_s"] - host_m["rollout/queue_wait_s_max"])

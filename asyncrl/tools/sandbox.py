@@ -5,7 +5,12 @@ temp dir. Inside, before the code runs: rlimits (CPU, address space, file size, 
 a drop to uid/gid 65534 when we are root, Landlock (no files outside the temp dir but the stdlib, read-only; no
 TCP; no signals out), and a seccomp filter (no fork, exec or sockets). Here, the parent enforces the wall-clock
 limit and the output cap, and in every case kills the child's whole process group and reaps it before the call
-returns: no process outlives its call.
+returns: no process outlives its call. The temp dir's removal never raises and takes at most CLEANUP_S in the
+call; what code that made too many files to remove by then leaves is removed by a background thread.
+
+Memory beside the address-space cap: RLIMIT_AS counts mappings, not the pages of a memfd, /dev/shm or POSIX
+message queue, so the seccomp filter refuses memfd_create and mq_open and Landlock keeps /dev/shm out. (Measuring
+RSS + shmem and killing would be racy and miss unmapped memfd pages; a cgroup is not ours to make everywhere.)
 
 Nothing the code does makes `run` raise: every failure is a `ToolResult` with `ok=False`, an `error` kind and a
 short text for the model to read. Kinds: 'timeout', 'cpu_limit', 'memory', 'output_limit', 'exception',
@@ -22,15 +27,15 @@ import json
 import logging
 import os
 import selectors
-import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
 from asyncrl.tools import sandbox_runner as runner
@@ -41,6 +46,7 @@ RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runne
 NOBODY = 65534  # the uid/gid a root parent's calls run as
 OUTPUT_HEAD = 512  # characters of the output kept in an output_limit error: enough to see what was printed
 READ_CHUNK = 1 << 16
+CLEANUP_S = 0.5  # a call's own cleanup stops after this; the rest of its temp dir is removed in the background
 SIGNAL_NAMES = {int(s): s.name for s in signal.Signals}
 
 
@@ -90,6 +96,11 @@ class PythonSandbox:
         self.kernel_layers = kernel_layers
         self.on_spawn = on_spawn
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool-sandbox")
+        # One thread finishes the temp dirs that a call could not remove within CLEANUP_S (code that made more
+        # files than a bounded cleanup removes): the call returns on time, and the files still go.
+        self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tool-sandbox-cleanup")
+        self._reaping: set[Future[None]] = set()
+        self._reaping_lock = threading.Lock()
 
     def run(self, code: str) -> ToolResult:
         """Runs `code` to completion or to a limit. Blocking; never raises for anything the code does."""
@@ -106,15 +117,44 @@ class PythonSandbox:
             ok, text, error = False, f"Error (sandbox): {type(e).__name__}: {e}", "sandbox"
         finally:
             if workdir is not None:
-                _remove(workdir)
+                self._cleanup(workdir)
         return ToolResult(ok, text, error, time.monotonic() - t0)
 
     def submit(self, code: str) -> Future[ToolResult]:
         return self._pool.submit(self.run, code)
 
+    def wait_for_cleanup(self, timeout: float | None = None) -> bool:
+        """Waits until the temp dirs handed to the background are removed; False if some are not, at `timeout`."""
+        with self._reaping_lock:
+            pending = list(self._reaping)
+        return not wait(pending, timeout).not_done
+
     def close(self) -> None:
-        """Waits for the calls already running (each ends within its wall-clock limit); drops those not started."""
+        """Waits for the calls already running (each ends within its wall-clock limit); drops those not started;
+        then waits for the background removal of their temp dirs."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reaper.shutdown(wait=True)
+
+    def _cleanup(self, workdir: str) -> None:
+        if _remove(workdir, time.monotonic() + CLEANUP_S):
+            return
+        try:
+            future = self._reaper.submit(self._finish_removal, workdir)
+        except RuntimeError:  # closed meanwhile: finish here, unbounded, rather than leave it
+            self._finish_removal(workdir)
+            return
+        with self._reaping_lock:
+            self._reaping.add(future)
+        future.add_done_callback(self._reaped)
+
+    def _reaped(self, future: Future[None]) -> None:
+        with self._reaping_lock:
+            self._reaping.discard(future)
+
+    @staticmethod
+    def _finish_removal(workdir: str) -> None:
+        if not _remove(workdir):
+            logger.warning("tool sandbox: could not remove the temp dir %s", workdir)
 
     def __enter__(self) -> PythonSandbox:
         return self
@@ -277,16 +317,83 @@ def _status_text(status: int) -> str:
     return f"the process exited with status {status}"
 
 
-def _remove(path: str) -> None:
-    """Removes a call's temp dir, whatever the code did to the modes in it (a parent that is not root could not
-    go into a directory the code made mode 000): each directory is made ours to enter before the walk goes in."""
+def _remove(path: str, deadline: float | None = None) -> bool:
+    """Removes a call's temp dir, whatever the code left in it; returns whether it is gone. Never raises, and stops
+    at `deadline` (time.monotonic) with the tree still whole, for a later call to finish.
+
+    Iterative and flat: each subdirectory is first moved up to the top (a rename, O(1)), so no path grows deeper
+    than two names and no fd is held for a level (a 1,500-deep tree is deeper than the recursion limit and longer
+    than PATH_MAX). Each directory is made ours to enter and move before we do (a parent that is not root could
+    not go into one the code made mode 000). The child is dead by now: nothing changes the tree under us."""
+    tag = f".asyncrl-rm-{os.urandom(8).hex()}-"  # the code cannot have made a name with this tag
     try:
         os.chmod(path, stat.S_IRWXU)
-        for root, dirs, _ in os.walk(path):
-            for d in dirs:
-                p = os.path.join(root, d)
-                if not os.path.islink(p):
-                    os.chmod(p, stat.S_IRWXU)
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return not os.path.lexists(path)
+    moved = 0
+    try:
+        pending = [e.name for e in _entries(top) if _is_dir(e)] + [None]  # None: the files at the top
+        while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            name = pending.pop()
+            fd = top if name is None else _open_dir(name, top)
+            if fd is None:
+                continue
+            try:
+                for e in _entries(fd):
+                    if deadline is not None and time.monotonic() > deadline:
+                        return False
+                    try:
+                        if not _is_dir(e):
+                            os.unlink(e.name, dir_fd=fd)
+                        elif fd != top:
+                            new = f"{tag}{moved}"
+                            moved += 1
+                            os.chmod(e.name, stat.S_IRWXU, dir_fd=fd)  # a move to a new parent writes its '..'
+                            os.rename(e.name, new, src_dir_fd=fd, dst_dir_fd=top)
+                            pending.append(new)
+                    except OSError:
+                        pass
+            finally:
+                if fd != top:
+                    os.close(fd)
+            if name is not None:
+                try:
+                    os.rmdir(name, dir_fd=top)
+                except OSError:
+                    pass
+    except Exception:  # cleanup never raises: what is left is reported (and logged)
+        logger.exception("tool sandbox: removing %s failed", path)
+        return False
+    finally:
+        os.close(top)
+    try:
+        os.rmdir(path)
     except OSError:
         pass
-    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
+
+
+def _entries(fd: int) -> list[os.DirEntry]:
+    try:
+        with os.scandir(fd) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _is_dir(e: os.DirEntry) -> bool:
+    try:
+        return e.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _open_dir(name: str, top: int) -> int | None:
+    try:
+        os.chmod(name, stat.S_IRWXU, dir_fd=top, follow_symlinks=True)  # a directory, checked by the caller
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+    except OSError:
+        return None

@@ -65,15 +65,28 @@ SYSCALLS = {
     "kill": (62, 129), "tkill": (200, 130), "tgkill": (234, 131), "rt_sigqueueinfo": (129, 138),
     "rt_tgsigqueueinfo": (297, 240), "prlimit64": (302, 261), "sched_setaffinity": (203, 122),
     "sched_setscheduler": (144, 119), "sched_setparam": (142, 118), "sched_setattr": (314, 274),
+    "utime": (132, None), "utimes": (235, None), "futimesat": (261, None), "utimensat": (280, 88),
+    "chmod": (90, None), "fchmod": (91, 52), "fchmodat": (268, 53), "fchmodat2": (452, 452), "chown": (92, None),
+    "fchown": (93, 55), "lchown": (94, None), "fchownat": (260, 54), "setxattr": (188, 5), "lsetxattr": (189, 6),
+    "fsetxattr": (190, 7), "removexattr": (197, 14), "lremovexattr": (198, 15), "fremovexattr": (199, 16),
+    "setxattrat": (463, 463), "removexattrat": (466, 466), "memfd_create": (319, 279),
+    "memfd_secret": (447, 447), "mq_open": (240, 180),
 }
 # EPERM: new processes, programs and sockets; then what no calculation needs and that reaches past the process:
 # kernel interfaces that widen the attack surface (io_uring can even open sockets without the socket syscall),
-# and the other processes of our uid (SysV IPC, priorities), which Landlock does not cover.
+# and the other processes of our uid (SysV IPC, priorities), which Landlock does not cover. Then a file's
+# metadata: Landlock has no right for times, mode, owner or xattrs, so a path outside the temp dir that the uid
+# owns or may write would be changed (refused inside it too: a seccomp filter cannot read a path, and no
+# calculation needs them; shutil.copy/copy2 fail, copyfile works). Then memory that is no address space, so
+# RLIMIT_AS misses it: memfd pages and POSIX message queues (/dev/shm is outside Landlock's rules already).
 DENIED = ("fork", "vfork", "execve", "execveat", "socket", "socketpair", "ptrace", "unshare", "setns", "mount",
           "bpf", "userfaultfd", "perf_event_open", "process_vm_readv", "process_vm_writev", "keyctl", "add_key",
           "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register", "pidfd_send_signal",
           "setpriority", "ioprio_set", "shmget", "shmat", "shmctl", "semget", "semop", "semctl", "semtimedop",
-          "msgget", "msgsnd", "msgrcv", "msgctl")
+          "msgget", "msgsnd", "msgrcv", "msgctl", "utime", "utimes", "futimesat", "utimensat", "chmod", "fchmod",
+          "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "setxattr", "lsetxattr", "fsetxattr",
+          "removexattr", "lremovexattr", "fremovexattr", "setxattrat", "removexattrat", "memfd_create",
+          "memfd_secret", "mq_open")
 # Allowed on this process only (args[0] is 0 or its pid): signals, rlimits and scheduling of another process of
 # the same uid (the parent itself, where it is not root) need no Landlock ABI 6 to be refused.
 SELF_ONLY = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "prlimit64", "sched_setaffinity",
