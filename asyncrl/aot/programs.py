@@ -27,7 +27,8 @@ from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.replicas import ReplicaSet
 from asyncrl.models import lora as lora_lib
 from asyncrl.models.config import ModelConfig
-from asyncrl.models.sources import ModelSection, model_config
+from asyncrl.models.section import ModelSection
+from asyncrl.models.sources import model_config
 from asyncrl.models.transformer import Model
 from asyncrl.sharding.roles import split_roles
 from asyncrl.train.batch import round_up

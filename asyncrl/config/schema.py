@@ -6,8 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from asyncrl.inference.config import InferenceConfig
-from asyncrl.models.sources import ModelSection
+from asyncrl.models.section import ModelSection
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
+from asyncrl.orchestration.role_config import DriverConfig, HostConfig, InferenceRoleConfig, TrainerRoleConfig
 from asyncrl.tasks.config import TaskConfig
 from asyncrl.tools.config import ToolsConfig
 from asyncrl.train.config import ShardingConfig, TrainConfig
@@ -61,6 +62,30 @@ class Config:
     @property
     def prompts_per_step(self) -> int:
         return self.train.train_batch_size // self.inference.group_size
+
+    # ---- the config split on the way down: each role, command and program builder gets the sections it reads ----
+
+    def trainer_role(self) -> TrainerRoleConfig:
+        return TrainerRoleConfig(
+            model=self.model, train=self.train, loss=self.loss, sharding=self.sharding, async_=self.async_,
+            checkpoint=self.checkpoint, eval=self.eval, logging=self.logging, task=self.task, tools=self.tools,
+            weightsync=self.weightsync, seed=self.run.seed, run_name=self.run.name,
+            prompts_per_step=self.prompts_per_step, group_size=self.inference.group_size,
+            temperature=self.inference.temperature, params_dtype=self.inference.params_dtype)
+
+    def inference_role(self) -> InferenceRoleConfig:
+        return InferenceRoleConfig(
+            model=self.model, inference=self.inference, task=self.task, tools=self.tools, async_=self.async_,
+            weightsync=self.weightsync, lora=self.train.lora, seed=self.run.seed, eval_prompts=self.eval.num_prompts)
+
+    def host_config(self) -> HostConfig:
+        return HostConfig(train_workers=self.async_.train_workers, log_level=self.logging.level,
+                          platform=self.run.platform, trainer=self.trainer_role(), inference=self.inference_role())
+
+    def driver_config(self) -> DriverConfig:
+        return DriverConfig(run=self.run, async_=self.async_, logging=self.logging, host=self.host_config(),
+                            total_steps=self.train.total_steps, prompts_per_step=self.prompts_per_step,
+                            eval_prompts=self.eval.num_prompts)
 
 
 __all__ = ["Config", "ConfigError", "ModelSection"]
