@@ -26,8 +26,10 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from asyncrl.aot.report import json_rows, run_aot  # noqa: E402
+from asyncrl.cli.aot import programs_config  # noqa: E402
 from asyncrl.cli.plan import _AOT_PROGRAMS  # noqa: E402
 from asyncrl.config.loader import load_config  # noqa: E402
+from asyncrl.config.schema import Config  # noqa: E402
 from asyncrl.plan.target import Assumptions, Target, closed_form_share, describe, sweep  # noqa: E402
 from benchmarks.machine import describe as describe_machine, machine  # noqa: E402
 
@@ -39,9 +41,9 @@ EXTRA = [(f"{preset}@{b}", preset, [f"train.train_batch_size={b}"])
          for preset in ("v5p64_qwen3_8b", "v5p64_llama3.1_8b") for b in (256, 1024)]
 
 
-def _compile(cfg, programs: list[str], name: str) -> list[dict]:
+def _compile(cfg: Config, programs: list[str], name: str) -> list[dict]:
     t = time.perf_counter()
-    rows = json_rows(run_aot(cfg, cfg.run.tpu_topology, programs,
+    rows = json_rows(run_aot(programs_config(cfg), cfg.run.tpu_topology, programs,
                              lambda m: print(f"  {m}", file=sys.stderr, flush=True)))
     print(f"  compiled {name} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     return rows

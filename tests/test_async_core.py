@@ -181,8 +181,8 @@ class Sim:
                  replicas=1, pooled=True, oversample=False):
         self.P, self.max_lag, self.rewards, self.zv = P, max_lag, rewards, drop_zero_variance
         self.prompts, self.rollouts = FakeQueue(5 * P), FakeQueue(10 * P)
-        self.feeder = Feeder(sample_stream, self.prompts.put, prompts_per_step=P, staleness=Staleness(max_lag), group_size=2,
-                             poll_s=0.001, oversample=oversample)
+        self.feeder = Feeder(sample_stream, self.prompts.put, prompts_per_step=P, staleness=Staleness(max_lag),
+                             group_size=2, poll_s=0.001, oversample=oversample)
         if state:
             self.feeder.restore(state)
         self.version = version  # a resumed run starts at its checkpoint's version
@@ -417,7 +417,7 @@ def _gate_worker(monkeypatch, engines, park_timeout_s, on_transfer=lambda: None)
     """An InferenceWorker over fake replicas, its monitor fed by an in-process queue; each sync's transfer calls
     `on_transfer` and lands a fresh Leaf (`landed` counts them)."""
     cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=park_timeout_s),
-                          eval=SimpleNamespace(num_prompts=4), weightsync=SimpleNamespace(timeout_s=5))
+                          eval_prompts=4, weightsync=SimpleNamespace(timeout_s=5))
     signals = FakeQueue(0)
     w = InferenceWorker(cfg, 1, "/tmp", {"weight_sync": signals})
     w.replicas = SimpleNamespace(engines=engines)
@@ -474,7 +474,7 @@ def test_sync_gate_parks_every_replica_within_one_chunk(monkeypatch):
 
 def test_sync_gate_names_the_park_timeout():
     cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=0.2),
-                          eval=SimpleNamespace(num_prompts=4))
+                          eval_prompts=4)
     qs = {"weight_sync": FakeQueue(2)}
     w = InferenceWorker(cfg, 3, "/tmp", qs)
     w.replicas = SimpleNamespace(engines=[FakeEngine("wedged", 0)])  # never calls the hook
@@ -488,7 +488,7 @@ def test_shipper_gives_up_on_a_full_rollout_queue_with_a_message():
     from asyncrl.orchestration.queues import QueueTimeout
 
     cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=1.5, park_timeout_s=5),
-                          eval=SimpleNamespace(num_prompts=4), task=SimpleNamespace(verifier=SimpleNamespace(timeout_s=1)))
+                          eval_prompts=4, task=SimpleNamespace(verifier=SimpleNamespace(timeout_s=1)))
     full = FakeQueue(1)
     full.put("someone else's group")
     w = InferenceWorker(cfg, 2, "/tmp", {"rollout": full})
@@ -502,7 +502,8 @@ def test_shipper_gives_up_on_a_full_rollout_queue_with_a_message():
 
 
 def test_zero_variance_budget_fills_the_step_instead_of_sampling_forever():
-    stream = [group(p, 0, [1, 1]) for p in range(7)] + [group(7, 0, [1, 0])] + [group(p, 0, [0, 0]) for p in range(8, 12)]
+    stream = [group(p, 0, [1, 1]) for p in range(7)] + [group(7, 0, [1, 0])]
+    stream += [group(p, 0, [0, 0]) for p in range(8, 12)]
     q = FakeQueue()
     for r in stream:
         q.put(r)
@@ -742,7 +743,7 @@ def test_a_checkpoint_snapshot_sees_a_report_another_thread_is_applying():
 
 def _deadline_worker(**weightsync):
     cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=5, park_timeout_s=0.1),
-                          eval=SimpleNamespace(num_prompts=4),
+                          eval_prompts=4,
                           weightsync=SimpleNamespace(**{"timeout_s": 0.1, "first_sync_timeout_s": 0.3, **weightsync}))
     return InferenceWorker(cfg, 4, "/tmp", {})
 
@@ -874,7 +875,7 @@ def test_a_busy_replica_never_waits_on_an_empty_prompt_queue():
     replica may block for: every decode call behind an empty queue paid it (`launch.py plan` found it: max_lag 0
     steps took 2.4 s instead of 0.6 s)."""
     cfg = SimpleNamespace(async_=SimpleNamespace(queue_timeout_s=1.5, park_timeout_s=5),
-                          eval=SimpleNamespace(num_prompts=4), inference=SimpleNamespace(max_prefill_prompts=4),
+                          eval_prompts=4, inference=SimpleNamespace(max_prefill_prompts=4),
                           task=SimpleNamespace(verifier=SimpleNamespace(timeout_s=1)))
     w = InferenceWorker(cfg, 1, "/tmp", {"prompt": FakeQueue(8), "eval_prompt": FakeQueue(8)})
     t0 = time.perf_counter()

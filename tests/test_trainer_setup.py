@@ -40,7 +40,7 @@ def test_the_kl_reference_survives_a_resume(tmp_path, two_hosts):
     loaded the checkpoint's params, so `ref_params` was the random init: train/kl jumped (0.3 -> 4.5 in a run)."""
     run_dir = str(tmp_path / "run")
     cfg = _cfg(run_dir)
-    trainer, ckpt, meta = trainer_setup.build_trainer(cfg, run_dir)
+    trainer, ckpt, meta = trainer_setup.build_trainer(cfg.trainer_role(), run_dir)
     assert meta == {}
     reference = _leaves(trainer.ref_params)
     from asyncrl.train.batch import build_batch
@@ -51,7 +51,7 @@ def test_the_kl_reference_survives_a_resume(tmp_path, two_hosts):
     ckpt.close()
 
     resumed = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
-    again, ckpt2, meta = trainer_setup.build_trainer(resumed, run_dir)
+    again, ckpt2, meta = trainer_setup.build_trainer(resumed.trainer_role(), run_dir)
     ckpt2.close()
     assert meta["step"] == 1 and again.step_count == 1
     for a, b in zip(_leaves(again.ref_params), reference):
@@ -60,7 +60,7 @@ def test_the_kl_reference_survives_a_resume(tmp_path, two_hosts):
 
     # A run directory without the saved reference (written before it was kept) rebuilds it: the same start.
     shutil.rmtree(os.path.join(run_dir, trainer_setup.REFERENCE_DIR))
-    rebuilt, ckpt3, _ = trainer_setup.build_trainer(resumed, run_dir)
+    rebuilt, ckpt3, _ = trainer_setup.build_trainer(resumed.trainer_role(), run_dir)
     ckpt3.close()
     for a, b in zip(_leaves(rebuilt.ref_params), reference):
         np.testing.assert_array_equal(a, b)

@@ -1,7 +1,8 @@
 """Every program a run executes, built from its config over any device list, without allocating an array.
 
-`build_programs(cfg, devices)` splits the devices by host exactly as the run does (`sharding/roles.py`), builds
-the real `Trainer` and `ReplicaSet` over them (abstractly: no params, no state), and returns one `Program` per
+`build_programs(cfg, devices)` (`cfg`: the sections of the run config they read, `Config.programs_config()`)
+splits the devices by host exactly as the run does (`sharding/roles.py`), builds the real `Trainer` and
+`ReplicaSet` over them (abstractly: no params, no state), and returns one `Program` per
 compiled function the run calls: the train step, the weight-sync cast, the decode loop with row substitution,
 and each prefill bucket. Over a TPU topology's devices (`jax.experimental.topologies`) this is what lets a
 laptop compile for a slice it does not have.
@@ -22,13 +23,34 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.replicas import ReplicaSet
 from asyncrl.models import lora as lora_lib
+from asyncrl.models.config import ModelConfig
+from asyncrl.models.section import ModelSection
 from asyncrl.models.sources import model_config
 from asyncrl.models.transformer import Model
 from asyncrl.sharding.roles import split_roles
 from asyncrl.train.batch import round_up
+from asyncrl.train.config import LoraConfig, ShardingConfig, TrainConfig
+from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class ProgramsConfig:
+    """What the run's programs are built from: the sections of the run config they read (split off it by
+    `Config.programs_config()`)."""
+
+    model: ModelSection
+    inference: InferenceConfig
+    train: TrainConfig
+    loss: LossConfig
+    sharding: ShardingConfig
+    train_workers: int
+    """`async.train_workers`: the hosts that train, the rest run inference (`sharding/roles.py`)."""
+    hosts: int
+    """`run.hosts`: the simulated hosts a one-host slice is cut into, as a local run is."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +91,7 @@ def shard_bytes(tree: Any) -> float:
     return total
 
 
-def synced_values(model_cfg: Any, lora_cfg: Any | None) -> int:
+def synced_values(model_cfg: ModelConfig, lora_cfg: LoraConfig | None) -> int:
     """Values a weight sync after the first moves: every param, or with LoRA (`lora_cfg` enabled) the adapters,
     B alone with `freeze_a`."""
     if lora_cfg is None or not lora_cfg.enabled:
@@ -77,12 +99,12 @@ def synced_values(model_cfg: Any, lora_cfg: Any | None) -> int:
     return lora_lib.count(model_cfg, lora_cfg.rank, lora_cfg.targets, ("b",) if lora_cfg.freeze_a else ("a", "b"))
 
 
-def build_programs(cfg: Any, devices: Sequence[Any], only: Sequence[str] | None = None) -> list[Program]:
+def build_programs(cfg: ProgramsConfig, devices: Sequence[Any], only: Sequence[str] | None = None) -> list[Program]:
     """The run's programs over `devices` (every device of the job, all hosts). `only` keeps the programs whose
     name starts with one of its entries (e.g. ['train_step', 'decode'])."""
     # A one-host slice cannot be split by host; it is cut into the config's simulated hosts, as a local run is.
     single = len({d.process_index for d in devices}) == 1
-    roles = split_roles(devices, cfg.async_.train_workers, hosts=cfg.run.hosts if single else None)
+    roles = split_roles(devices, cfg.train_workers, hosts=cfg.hosts if single else None)
     model = Model(model_config(cfg.model))
     n = matmul_params(model)
     programs: list[Program] = []

@@ -1,5 +1,5 @@
-"""The report of `launch.py aot` (`asyncrl/cli/aot.py`): compile a run's programs for a TPU slice on any machine, and say whether they fit and how fast
-they can be.
+"""The report of `launch.py aot` (`asyncrl/cli/aot.py`): compile a run's programs for a TPU slice on any machine,
+and say whether they fit and how fast they can be.
 
 For each program (`programs.py`) the compiled executable gives per-chip memory (`memory_analysis`) and the
 compiled HLO, from which `hlo_cost.py` reads loop-weighted FLOPs, HBM bytes and collective bytes. With the chip's
@@ -22,9 +22,12 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.aot.roofline import CHIPS, ChipSpec
+
+if TYPE_CHECKING:  # the programs module builds a Trainer and an engine: imported when the programs are built
+    from asyncrl.aot.programs import ProgramsConfig
 
 GiB = 2**30
 
@@ -217,7 +220,7 @@ def failure_message(r: Row) -> str:
             f"{_gib(r.hbm_bytes_per_chip)} GiB usable, short by {_gib(short)} GiB. Largest buffers: {bufs}.")
 
 
-def run_aot(cfg: Any, topology: str, only: Sequence[str] | None = None, log: Any = None) -> list[Row]:
+def run_aot(cfg: ProgramsConfig, topology: str, only: Sequence[str] | None = None, log: Any = None) -> list[Row]:
     from asyncrl.aot.programs import build_programs
 
     chip_of(topology)

@@ -8,15 +8,25 @@ import json
 import sys
 from collections.abc import Sequence
 
+from asyncrl.aot.programs import ProgramsConfig
 from asyncrl.aot.report import AotError, failure_message, format_table, json_rows, run_aot
 from asyncrl.config.loader import load_config, split_config_name
+from asyncrl.config.schema import Config
 from asyncrl.validate import ConfigError
+
+
+def programs_config(cfg: Config) -> ProgramsConfig:
+    """The sections of the run config its programs are built from. Split here, where both are seen: `aot/` sits
+    below `config/` (it may not import it), and `config/` below `aot/`'s users."""
+    return ProgramsConfig(model=cfg.model, inference=cfg.inference, train=cfg.train, loss=cfg.loss,
+                          sharding=cfg.sharding, train_workers=cfg.async_.train_workers, hosts=cfg.run.hosts)
 
 
 def main(argv: Sequence[str]) -> int:
     """`launch.py aot [--config-name NAME] [overrides] [--topology T] [--json] [--out FILE] [--programs P,Q]`"""
     ap = argparse.ArgumentParser(prog="launch.py aot", description=__doc__.split("(")[0].strip())
-    ap.add_argument("--topology", default=None, help="TPU slice, e.g. v5p:2x4x4 (default: the config's run.tpu_topology)")
+    ap.add_argument("--topology", default=None,
+                    help="TPU slice, e.g. v5p:2x4x4 (default: the config's run.tpu_topology)")
     ap.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     ap.add_argument("--out", default=None, help="also write the JSON rows to this file")
     ap.add_argument("--programs", default=None,
@@ -34,7 +44,7 @@ def main(argv: Sequence[str]) -> int:
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
         only = [p for p in args.programs.split(",") if p] if args.programs else None
-        rows = run_aot(cfg, topology, only, progress)
+        rows = run_aot(programs_config(cfg), topology, only, progress)
     except (AotError, ValueError) as e:
         print(f"launch.py aot: {e}", file=sys.stderr)
         return 2

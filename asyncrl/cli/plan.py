@@ -156,9 +156,10 @@ def _target(args: argparse.Namespace, rest: Sequence[str]) -> int:
                 print("plan: the config sets no run.tpu_topology (and no --from-aot was given)", file=sys.stderr)
                 return 2
             from asyncrl.aot.report import json_rows, run_aot
+            from asyncrl.cli.aot import programs_config
 
             progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-            rows = json_rows(run_aot(cfg, cfg.run.tpu_topology, _AOT_PROGRAMS, progress))
+            rows = json_rows(run_aot(programs_config(cfg), cfg.run.tpu_topology, _AOT_PROGRAMS, progress))
         t0 = time.perf_counter()
         target = Target.of(cfg, rows, assume)
         fed = describe(target)

@@ -18,4 +18,4 @@ def main(argv: Sequence[str]) -> int:
         return 2
     from asyncrl.orchestration.driver import run
 
-    return run(cfg, to_yaml(cfg))
+    return run(cfg.driver_config(), to_yaml(cfg))

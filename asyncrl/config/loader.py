@@ -58,7 +58,8 @@ def groups(config_dir: str = CONFIG_DIR) -> dict[str, list[str]]:
     return out
 
 
-def parse_overrides(overrides: Sequence[str], config_dir: str = CONFIG_DIR) -> tuple[dict[str, str], list[tuple[str, Any]]]:
+def parse_overrides(overrides: Sequence[str], config_dir: str = CONFIG_DIR
+                    ) -> tuple[dict[str, str], list[tuple[str, Any]]]:
     """Split CLI overrides into group choices and dotted field assignments."""
     known_groups = groups(config_dir)
     choices: dict[str, str] = {}
@@ -90,7 +91,8 @@ def split_config_name(argv: Sequence[str]) -> tuple[str, list[str]]:
         a = argv[i]
         if a == "--config-name":
             if i + 1 >= len(argv):
-                raise ConfigError("--config-name needs a value: the name of a file in configs/, e.g. --config-name default")
+                raise ConfigError("--config-name needs a value: the name of a file in configs/, e.g. "
+                                  "--config-name default")
             name = argv[i + 1]
             i += 2
             continue
@@ -124,7 +126,8 @@ def load_config(name: str = "default", overrides: Sequence[str] = (), config_dir
     choices: dict[str, str] = {}
     for entry in defaults:
         if not isinstance(entry, dict) or len(entry) != 1:
-            raise ConfigError(f"{main_path}: each defaults entry must be a single {{group: option}} mapping, got {entry!r}")
+            raise ConfigError(f"{main_path}: each defaults entry must be a single {{group: option}} mapping, "
+                              f"got {entry!r}")
         choices.update({str(k): str(v) for k, v in entry.items()})
     cli_choices, fields = parse_overrides(overrides, config_dir)
     choices.update(cli_choices)

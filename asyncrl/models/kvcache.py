@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from asyncrl.models.config import ModelConfig
+
 # Logical axes of the cache leaves, for the sharding rules table.
 KV_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 LENGTH_AXES = ("batch",)
@@ -35,7 +37,7 @@ class KVCache:
         return jax.tree.leaves(self.k)[0].shape[3]
 
 
-def zeros(cfg: Any, batch: int, length: int, dtype: Any, sharding: KVCache | None = None,
+def zeros(cfg: ModelConfig, batch: int, length: int, dtype: Any, sharding: KVCache | None = None,
           per_layer: bool = False) -> KVCache:
     """Zeroed cache of `length` positions for a model config, placed by `sharding` (a KVCache of shardings) when
     given. `per_layer`: k and v are tuples of one [1, B, K, S, Dh] array per layer."""
@@ -52,7 +54,7 @@ def zeros(cfg: Any, batch: int, length: int, dtype: Any, sharding: KVCache | Non
     return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
 
 
-def shardings(cfg: Any, rules: Any, mesh: jax.sharding.Mesh, batch: int, length: int, per_layer: bool = False
+def shardings(cfg: ModelConfig, rules: Any, mesh: jax.sharding.Mesh, batch: int, length: int, per_layer: bool = False
               ) -> KVCache:
     """The cache's shardings from the rules table (logical axes KV_AXES, LENGTH_AXES)."""
     shape = (1 if per_layer else cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)

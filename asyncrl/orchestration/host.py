@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.orchestration import faults, logs
+from asyncrl.orchestration.role_config import HostConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +38,15 @@ def role_of(rank: int, train_workers: int) -> str:
 class HostActor:
     """Wrapped with `ray.remote` by the driver (resources depend on the cluster)."""
 
-    def __init__(self, rank: int, n_hosts: int, cfg: Any, run_dir: str, queues: dict[str, Any],
+    def __init__(self, rank: int, n_hosts: int, cfg: HostConfig, run_dir: str, queues: dict[str, Any],
                  bind_ip: str | None = None):
         """`bind_ip`: the address this host listens on (JAX coordinator, CPU transfer socket): 127.0.0.1 in the
         driver's own local cluster, None (the Ray node's IP) on a real one."""
         self.rank, self.n_hosts, self.cfg, self.run_dir, self.queues = rank, n_hosts, cfg, run_dir, queues
         self.ip = bind_ip or _node_ip()
         self.loopback = bind_ip is not None
-        self.role = role_of(rank, cfg.async_.train_workers)
-        logs.configure(cfg.logging.level, f"%(asctime)s [{self.role}{rank}] %(name)s: %(message)s")
+        self.role = role_of(rank, cfg.train_workers)
+        logs.configure(cfg.log_level, f"%(asctime)s [{self.role}{rank}] %(name)s: %(message)s")
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "role": self.role, "pid": os.getpid(), "host": socket.gethostname(),
@@ -73,7 +74,7 @@ class HostActor:
         from asyncrl.weightsync.transfer import enable_cpu_transfers
 
         faults.point("startup", self.rank, 0, self.run_dir)
-        if self.cfg.run.platform == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
+        if self.cfg.platform == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             enable_cpu_transfers(self.ip)
         t0 = time.time()
@@ -102,11 +103,11 @@ class HostActor:
             if self.role == "trainer":
                 from asyncrl.orchestration.trainer_worker import TrainerWorker
 
-                info = TrainerWorker(self.cfg, self.rank, self.run_dir, self.queues).run()
+                info = TrainerWorker(self.cfg.trainer, self.rank, self.run_dir, self.queues).run()
             else:
                 from asyncrl.orchestration.inference_worker import InferenceWorker
 
-                info = InferenceWorker(self.cfg, self.rank, self.run_dir, self.queues).run()
+                info = InferenceWorker(self.cfg.inference, self.rank, self.run_dir, self.queues).run()
             return HostResult(self.rank, self.role, True, info=info or {})
         except BaseException as e:  # typed result instead of a bare exception crossing the boundary
             log.exception("host %d (%s) failed", self.rank, self.role)

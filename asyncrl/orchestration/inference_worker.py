@@ -24,6 +24,7 @@ from asyncrl.inference.replicas import ReplicaSet
 from asyncrl.orchestration import faults
 from asyncrl.orchestration.messages import InferenceReport, WeightSync
 from asyncrl.orchestration.queues import RPC, QueueTimeout
+from asyncrl.orchestration.role_config import InferenceRoleConfig
 from asyncrl.rollout import Rollout
 from asyncrl.sharding.roles import split_roles
 from asyncrl.tasks import Verifier, build_task
@@ -64,7 +65,7 @@ class SyncGate:
 
 
 class InferenceWorker:
-    def __init__(self, cfg: Any, rank: int, run_dir: str, queues: dict[str, Any]):
+    def __init__(self, cfg: InferenceRoleConfig, rank: int, run_dir: str, queues: dict[str, Any]):
         self.cfg, self.rank, self.run_dir = cfg, rank, run_dir
         t = cfg.async_.queue_timeout_s
         self.q = {k: v.as_role(f"inference{rank}", t) for k, v in queues.items()}
@@ -75,7 +76,7 @@ class InferenceWorker:
         self.timeout_s = t
         # Separate lanes: a train rollout blocked on the full (bounded) rollout queue must never hold up eval.
         self.lanes: dict[bool, queue.Queue[Rollout]] = {
-            True: queue.Queue(maxsize=max(1, cfg.eval.num_prompts)), False: queue.Queue(maxsize=256)}
+            True: queue.Queue(maxsize=max(1, cfg.eval_prompts)), False: queue.Queue(maxsize=256)}
 
     # ---- weight sync ----------------------------------------------------------------------------------------
 
@@ -281,15 +282,15 @@ class InferenceWorker:
                                  step_timeout_s=cfg.task.verifier.timeout_s * 4 + 30, tools=cfg.tools)
         self.transfer = HopChainTransfer(cfg.async_.train_workers, jax.devices(), bucket_mb=cfg.weightsync.bucket_mb,
                                          timeout_s=cfg.weightsync.timeout_s)
-        self.payload = SyncPayload(mcfg, cfg.inference.params_dtype, cfg.train.lora)
+        self.payload = SyncPayload(mcfg, cfg.inference.params_dtype, cfg.lora)
         self.replicas: ReplicaSet | None = None
         monitor = threading.Thread(target=self._monitor, name="weight-sync-monitor", daemon=True)
         monitor.start()
         self._await_first_weights()
+        devices = split_roles(jax.devices(), cfg.async_.train_workers).host_devices(jax.process_index())
         with self.gate.lock:
-            self.replicas = ReplicaSet(Model(mcfg), self.gate.params, cfg.inference, self.tokenizer,
-                                       devices=split_roles(jax.devices(), cfg.async_.train_workers).host_devices(jax.process_index()),
-                                       seed=cfg.run.seed, version=self.gate.version,
+            self.replicas = ReplicaSet(Model(mcfg), self.gate.params, cfg.inference, self.tokenizer, devices=devices,
+                                       seed=cfg.seed, version=self.gate.version,
                                        name=f"inference{self.rank}", stop=self.envs.stop_sequences())
         threads = [threading.Thread(target=self._push, args=(lane,), name=f"shipper-{'eval' if lane else 'train'}",
                                     daemon=True) for lane in (True, False)]

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 
 from asyncrl.models import lora as lora_lib, params as params_lib
 from asyncrl.models.config import ModelConfig
+from asyncrl.train.config import LoraConfig
 
 
 class SyncPayload:
-    def __init__(self, mcfg: ModelConfig, dtype: Any, lora_cfg: Any):
+    def __init__(self, mcfg: ModelConfig, dtype: Any, lora_cfg: LoraConfig):
         self.params_shapes = params_lib.shapes(mcfg, jnp.dtype(dtype))
         self.lora = lora_cfg if lora_cfg.enabled else None
         self.base: Any = None

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncrl.orchestration.checkpoint import TrainerCheckpoints, has_checkpoint, open_checkpoints, resume_latest
+from asyncrl.orchestration.role_config import TrainerRoleConfig
 from asyncrl.sharding.roles import split_roles
 from asyncrl.tasks import build_task
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 REFERENCE_DIR = "reference"
 
 
-def build_trainer(cfg: Any, run_dir: str) -> tuple[Any, TrainerCheckpoints | None, dict[str, Any]]:
+def build_trainer(cfg: TrainerRoleConfig, run_dir: str) -> tuple[Any, TrainerCheckpoints | None, dict[str, Any]]:
     """(trainer, the run's checkpoints or None, the resumed checkpoint's meta or {})."""
     from asyncrl.models.sources import load_model, model_config
     from asyncrl.models.transformer import Model
@@ -36,11 +37,11 @@ def build_trainer(cfg: Any, run_dir: str) -> tuple[Any, TrainerCheckpoints | Non
     roles = split_roles(jax.devices(), cfg.async_.train_workers)
     model = Model(model_config(cfg.model))
     trainer = Trainer(model, cfg.train, cfg.loss, cfg.sharding, devices=roles.trainer_devices,
-                      temperature=cfg.inference.temperature)
-    key = jax.random.PRNGKey(cfg.run.seed)
+                      temperature=cfg.temperature)
+    key = jax.random.PRNGKey(cfg.seed)
     if cfg.model.path or cfg.model.source:
         _, params = load_model(cfg.model, key)
-        trainer.rng = jax.random.key(cfg.run.seed)  # first: LoRA's adapters are drawn from it by `load`
+        trainer.rng = jax.random.key(cfg.seed)  # first: LoRA's adapters are drawn from it by `load`
         trainer.load(params)
     else:
         trainer.init(key)
@@ -62,12 +63,12 @@ def build_trainer(cfg: Any, run_dir: str) -> tuple[Any, TrainerCheckpoints | Non
                             "and the cached warm-start", os.path.join(run_dir, REFERENCE_DIR))
             reference.save_tree(0, {"params": trainer.ref_params}, {"kind": "start"})
         reference.close()
-    ckpt = open_checkpoints(cfg, run_dir)
+    ckpt = open_checkpoints(cfg.checkpoint, cfg.async_.train_workers, run_dir)
     meta = resume_latest(ckpt, trainer) if (ckpt is not None and cfg.checkpoint.resume) else {}
     return trainer, ckpt, meta
 
 
-def _reference_store(cfg: Any, run_dir: str) -> TrainerCheckpoints | None:
+def _reference_store(cfg: TrainerRoleConfig, run_dir: str) -> TrainerCheckpoints | None:
     """Where the KL reference is kept: only with the KL term on and checkpoints saved or resumed. Not with LoRA: the
     reference is the frozen base, which every start rebuilds from its source (and the cached warm-start)."""
     if cfg.loss.kl_coef == 0 or cfg.train.lora.enabled or not (cfg.checkpoint.every_n_steps or cfg.checkpoint.resume):
@@ -75,7 +76,7 @@ def _reference_store(cfg: Any, run_dir: str) -> TrainerCheckpoints | None:
     return TrainerCheckpoints(os.path.join(run_dir, REFERENCE_DIR), 1, cfg.async_.train_workers)
 
 
-def warmstart(cfg: Any, trainer: Any, model: Any, run_dir: str) -> None:
+def warmstart(cfg: TrainerRoleConfig, trainer: Any, model: Any, run_dir: str) -> None:
     """Format warm-start SFT (`train.format_warmstart_steps`), cached on disk; keeps the trainer's RNG."""
     from asyncrl.models.sources import cache_dir, load_tokenizer
     from asyncrl.train.warmstart import cached_format_warmstart
@@ -89,7 +90,7 @@ def warmstart(cfg: Any, trainer: Any, model: Any, run_dir: str) -> None:
         key = (cfg.task, cfg.tools, ToolWarmstart.LAYOUT)
     params = cached_format_warmstart(
         model, trainer.params_for_inference(jnp.float32), tokenizer,
-        task, key, cfg.train.format_warmstart_steps, cache_dir(), cfg.run.seed,
+        task, key, cfg.train.format_warmstart_steps, cache_dir(), cfg.seed,
         chat=cfg.task.prompt_template == "chat", lr=cfg.train.format_warmstart_lr,
         batch=cfg.train.format_warmstart_batch, source=repr(cfg.model))
     rng = trainer.rng

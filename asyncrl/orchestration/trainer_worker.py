@@ -30,6 +30,7 @@ from asyncrl.orchestration.export import export_hf
 from asyncrl.orchestration.feeder import Feeder
 from asyncrl.orchestration.messages import GroupConsumed, WeightSync
 from asyncrl.orchestration.metrics import RayGauges, inference_means
+from asyncrl.orchestration.role_config import TrainerRoleConfig
 from asyncrl.orchestration.rollout_log import drop_record, log_rollouts, rollouts_path
 from asyncrl.orchestration.staleness import Staleness, StragglerWait
 from asyncrl.orchestration.trainer_setup import build_trainer
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class TrainerWorker:
-    def __init__(self, cfg: Any, rank: int, run_dir: str, queues: dict[str, Any]):
+    def __init__(self, cfg: TrainerRoleConfig, rank: int, run_dir: str, queues: dict[str, Any]):
         self.cfg, self.rank, self.run_dir = cfg, rank, run_dir
         t = cfg.async_.queue_timeout_s
         self.q = {k: v.as_role(f"trainer{rank}", t) for k, v in queues.items()}
@@ -69,10 +70,10 @@ class TrainerWorker:
         self.trainer, self.ckpt, self._resume_meta = build_trainer(cfg, self.run_dir)
         ws = cfg.weightsync
         self.transfer = HopChainTransfer(self.tw, jax.devices(), bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s)
-        self.infer_dtype = jnp.dtype(cfg.inference.params_dtype)
+        self.infer_dtype = jnp.dtype(cfg.params_dtype)
         if self.rank == 0:
             self._build_feeder_and_evals()
-        self.gauges = RayGauges(cfg.run.name) if (cfg.logging.ray_metrics and self.rank == 0) else None
+        self.gauges = RayGauges(cfg.run_name) if (cfg.logging.ray_metrics and self.rank == 0) else None
 
     # ---- weight sync ----------------------------------------------------------------------------------------
 
@@ -119,7 +120,7 @@ class TrainerWorker:
         remote = self.q["consumed"].drain if self.tw > 1 else None
         self.feeder = Feeder(lambda: task.samples("train", cfg.task.seed),
                              lambda item, to: self.q["prompt"].put(item, to),
-                             prompts_per_step=self.P, staleness=self.staleness, group_size=cfg.inference.group_size,
+                             prompts_per_step=self.P, staleness=self.staleness, group_size=cfg.group_size,
                              oversample=cfg.loss.filter_zero_variance,
                              drain_remote=remote, timeout_s=t, who=f"trainer{self.rank}")
         if self._resume_meta:
@@ -180,7 +181,7 @@ class TrainerWorker:
                     zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),
                     straggler=self.straggler, tools=self.tool_metrics,
                 )
-                # By data position: the same batch order, whatever arrived first.
+                # By data position: the same batch order whatever arrived first.
                 rollouts.sort(key=lambda r: r.prompt.position)
                 batch = build_batch(rollouts, cfg.loss, cfg.train.pad_to_multiple)
                 every = cfg.logging.rollouts_every_n_steps
@@ -190,9 +191,9 @@ class TrainerWorker:
                 metrics = tr.step(batch, host_m)
                 sync_m = self.sync_weights()
                 n_tokens = float(np.asarray(batch.seq_lens).sum()) * self.tw
+                step_s = max(metrics.get("train/step_time_s", 1e-9), 1e-9)
                 row: dict[str, Any] = {"step": step, **metrics, **sync_m, "weight_version": tr.version,
-                                       "train/tokens_per_s":
-                                           n_tokens / max(metrics.get("train/step_time_s", 1e-9), 1e-9),
+                                       "train/tokens_per_s": n_tokens / step_s,
                                        "step_time_s": time.perf_counter() - t0, "time": time.time()}
                 # The straggler wait is bounded by the trainer's busy time per step (staleness.StragglerWait).
                 self.straggler.note_busy(row["step_time_s"] - host_m["rollout/queue_wait_s_max"])
@@ -225,7 +226,7 @@ class TrainerWorker:
         if self.ckpt is not None:
             self.ckpt.close()
         if cfg.checkpoint.export_hf:
-            export_hf(cfg, tr, self.run_dir, self.rank)
+            export_hf(cfg.model, tr, self.run_dir, self.rank)
         return {"steps": tr.step_count, "version": tr.version, "last": {k: v for k, v in last_row.items()
                                                                          if isinstance(v, (int, float))}}
 

@@ -27,13 +27,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.aot.roofline import CHIPS
 from asyncrl.plan.from_run import IDLE_POLL_S
 from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
 from asyncrl.plan.result import Result
 from asyncrl.plan.sim import simulate
+
+if TYPE_CHECKING:  # the whole run config: the sweep reads the run's layout from every part of it
+    from asyncrl.config.schema import Config
 
 
 class PlanError(ValueError):
@@ -87,12 +90,12 @@ def _rows_by_program(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]
 class Target:
     """What the sweep needs from a config and its aot rows."""
 
-    cfg: Any
+    cfg: Config
     rows: dict[str, dict[str, Any]]
     assume: Assumptions
 
     @staticmethod
-    def of(cfg: Any, rows: Sequence[dict[str, Any]], assume: Assumptions) -> Target:
+    def of(cfg: Config, rows: Sequence[dict[str, Any]], assume: Assumptions) -> Target:
         return Target(cfg, _rows_by_program(rows), assume)
 
     @property

@@ -86,15 +86,17 @@ def format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, steps: 
     return params
 
 
-def cached_format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, task_cfg: Any, steps: int,
+def cached_format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, task_key: object, steps: int,
                             cache_root: str, seed: int, chat: bool = False, lr: float = 3e-3, batch: int = 64,
                             source: str = "") -> Any:
     """`source` names where the starting params came from (the model section: path, source, dtype); with the
-    model config, the run seed and the warm-start settings it keys the cache."""
+    model config, `task_key` (whose repr names the task: its config), the run seed and the warm-start settings it
+    keys the cache."""
     from asyncrl.models import from_pretrained, save_pretrained
 
-    key = json.dumps({"v": 3, "model": repr(model.cfg), "source": source, "task": repr(task_cfg), "steps": steps,
-                      "seed": seed, "chat": chat, "vocab": tokenizer.vocab_size, "lr": lr, "batch": batch}, sort_keys=True)
+    key = json.dumps({"v": 3, "model": repr(model.cfg), "source": source, "task": repr(task_key), "steps": steps,
+                      "seed": seed, "chat": chat, "vocab": tokenizer.vocab_size, "lr": lr, "batch": batch},
+                     sort_keys=True)
     folder = os.path.join(cache_root, "warmstart-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     if os.path.isdir(folder):  # only ever created whole, by the os.replace below
         log.info("format warm-start: cached at %s", folder)
