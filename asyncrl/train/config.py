@@ -143,7 +143,8 @@ class TrainConfig:
     are not: ~25% fewer FLOPs for some GB of activations)."""
     attention: str = "auto"
     """Training attention: 'auto' uses the Pallas flash kernel (models/flash.py) on TPU meshes, where the
-    sequence divides into its tiles, and the reference elsewhere; 'reference' is the plain masked softmax
+    sequence divides into its tiles, cuDNN's fused attention on GPUs where dtype and head dim allow it
+    (models/attention_impl.py), and the reference elsewhere; 'reference' is the plain masked softmax
     (materialises [T, T] scores); 'flash' forces the kernel (off TPU it runs only under Pallas interpret mode)."""
     pad_to_multiple: int = 16
     """Train sequences are padded to a multiple of this (bounded set of compiled shapes)."""
