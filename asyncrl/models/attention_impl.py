@@ -66,7 +66,7 @@ def platform() -> str:
     """The platform a trace is for: the ambient mesh's devices if it names them (an AOT lowering for a TPU slice
     on a CPU host names the TPU), else JAX's default backend."""
     mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else mesh.abstract_device
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)  # not in every jax version
     return device.platform if device is not None else jax.default_backend()
 
 
