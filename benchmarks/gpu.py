@@ -381,6 +381,8 @@ def main() -> None:
     r |= child("torch", args.smoke, max(args.budget_s - (time.perf_counter() - t0), 60.0), out.parent)
     r["total_s"] = time.perf_counter() - t0
     out.write_text(json.dumps(r, indent=1) + "\n")
+    for kind in ("jax", "torch"):  # the children's running files: what a run cut short would have kept
+        (out.parent / f"gpu_{kind}.json").unlink(missing_ok=True)
     print(table(r, p))
     print(f"wrote {out} ({r['total_s']:.0f} s)")
 
