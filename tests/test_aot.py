@@ -111,7 +111,8 @@ def _has_libtpu() -> bool:
     return True
 
 
-needs_libtpu = pytest.mark.skipif(not _has_libtpu(), reason="libtpu not installed (pip install -r requirements-tpu.txt)")
+needs_libtpu = pytest.mark.skipif(not _has_libtpu(),
+                                  reason="libtpu not installed (pip install -r requirements-tpu.txt)")
 
 
 def _aot(*args, timeout=900):
@@ -238,6 +239,17 @@ def test_cli_reports_a_program_that_does_not_fit():
 def test_cli_rejects_a_bad_topology():
     out = _aot("--config-name", "tpu_tiny", "--topology", "v5litepod-8", timeout=120)
     assert out.returncode == 2 and "--topology 'v5litepod-8'" in out.stderr
+
+
+def test_cli_refuses_a_gpu_target_saying_why():
+    """XLA cannot compile for CUDA here (no device, no plugin): a GPU target is refused naming the option and the
+    reason, before any program is built; a gpu config without a topology says aot is for TPU slices."""
+    out = _aot("--config-name", "tpu_tiny", "--topology", "h100", timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--topology 'h100' names a GPU" in out.stderr and "benchmarks/gpu.py" in out.stderr
+    assert "cannot compile for a GPU without one" in out.stderr or "TPU chips only" in out.stderr
+    out = _aot("--config-name", "default", "run.platform=gpu", timeout=120)
+    assert out.returncode == 2 and "run.platform is gpu" in out.stderr
 
 
 def test_roofline_from_aot_matches_the_formula_on_formula_figures(tmp_path):

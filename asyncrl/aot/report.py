@@ -71,7 +71,32 @@ class Row:
     largest_buffers: list[tuple[str, str, float]] = field(default_factory=list)
 
 
+GPU_TARGET_RE = re.compile(r"^(gpu|cuda|nvidia|[abhl]\d+|b200|gb200)\b", re.IGNORECASE)
+
+
+def gpu_target_error(topology: str) -> str | None:
+    """None unless `topology` names a GPU; then why it cannot be compiled for. XLA compiles for a TPU slice with
+    no TPU through libtpu's topology descriptions; jax 0.10.2 has no such description for CUDA without the CUDA
+    plugin and a device ("topology not implemented for cuda"), so a GPU target is refused, with the probe's own
+    answer."""
+    if not GPU_TARGET_RE.match(topology):
+        return None
+    import jax
+    from jax.experimental import topologies
+
+    try:
+        topologies.get_topology_desc(platform="cuda", topology_name=topology)
+        why = "jax can describe it, but the report's chip table (aot/roofline.py) covers TPU chips only"
+    except Exception as e:  # noqa: BLE001 - the reason is the message
+        why = f"XLA cannot compile for a GPU without one (jax {jax.__version__}: {str(e).splitlines()[0]})"
+    return (f"--topology {topology!r} names a GPU: {why}. `launch.py aot` compiles for TPU slices (e.g. v5p:2x4x4); "
+            "on a GPU, measure the programs instead: python benchmarks/gpu.py")
+
+
 def chip_of(topology: str) -> tuple[str, ChipSpec, float]:
+    gpu = gpu_target_error(topology)
+    if gpu:
+        raise AotError(gpu)
     if not TOPOLOGY_RE.match(topology):
         raise AotError(f"--topology {topology!r}: expected e.g. v5p:2x4x4, v6e:2x4 or v5e:2x4 (libtpu's names)")
     kind = topology.split(":")[0]

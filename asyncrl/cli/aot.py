@@ -25,8 +25,8 @@ def programs_config(cfg: Config) -> ProgramsConfig:
 def main(argv: Sequence[str]) -> int:
     """`launch.py aot [--config-name NAME] [overrides] [--topology T] [--json] [--out FILE] [--programs P,Q]`"""
     ap = argparse.ArgumentParser(prog="launch.py aot", description=__doc__.split("(")[0].strip())
-    ap.add_argument("--topology", default=None,
-                    help="TPU slice, e.g. v5p:2x4x4 (default: the config's run.tpu_topology)")
+    ap.add_argument("--topology", default=None, help="TPU slice, e.g. v5p:2x4x4 (default: the config's "
+                    "run.tpu_topology); a GPU is refused, saying why")
     ap.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     ap.add_argument("--out", default=None, help="also write the JSON rows to this file")
     ap.add_argument("--programs", default=None,
@@ -39,7 +39,9 @@ def main(argv: Sequence[str]) -> int:
         return 2
     topology = args.topology or cfg.run.tpu_topology
     if topology is None:
-        print("launch.py aot: no --topology and the config sets no run.tpu_topology", file=sys.stderr)
+        gpu = " (run.platform is gpu: aot compiles for TPU slices only; see --topology)" \
+            if cfg.run.platform == "gpu" else ""
+        print(f"launch.py aot: no --topology and the config sets no run.tpu_topology{gpu}", file=sys.stderr)
         return 2
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:

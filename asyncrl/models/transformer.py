@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from asyncrl.models import dense as dense_lib, embedding, kvcache, params as params_lib, ulysses
-from asyncrl.models.attention import attention, cached_attention
+from asyncrl.models.attention import cached_attention
+from asyncrl.models.attention_impl import self_attention
 from asyncrl.models.config import ModelConfig
-from asyncrl.models.flash import block_size, flash_attention_train
 from asyncrl.models.kvcache import KVCache, write_new, write_prefix
 from asyncrl.models.lora import LoraWeight, delta as lora_delta
 from asyncrl.models.params import LayerParams, Params
@@ -70,6 +70,8 @@ class Model:
     """With `remat`: 'full' keeps only the residual stream; 'dots' also keeps the matmul outputs."""
     flash: bool = False
     """Attention over the call's own tokens (training; a prefill) through the Pallas kernel (models/flash.py)."""
+    attention_impl: str = "auto"
+    """Other attention over the call's own tokens: 'auto' picks per platform (models/attention_impl.py)."""
 
     # ---- caches ---------------------------------------------------------------------------------------------
 
@@ -191,8 +193,8 @@ class Model:
         """[B, T] ids -> [B, T, D] rows of the table, in the activation layout."""
         if mesh is None:
             return jnp.take(embed, x, axis=0)
-        return embedding.lookup(self._use(embed, (*self._batch_axes(mesh), *seq)), x, mesh, self._act_spec(mesh, 2, seq),
-                                self._act_spec(mesh, 3, seq))
+        table = self._use(embed, (*self._batch_axes(mesh), *seq))
+        return embedding.lookup(table, x, mesh, self._act_spec(mesh, 2, seq), self._act_spec(mesh, 3, seq))
 
     def _forward(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None,
                  apply_lm_head: bool, attend_cache: bool) -> tuple[jax.Array, KVCache | None]:
@@ -239,10 +241,7 @@ class Model:
                     if seq:
                         with jax.named_scope("ulysses"):
                             q, k, v = ulysses.to_heads(q, k, v, mesh, self._batch_axes(mesh), seq)
-                    if self.flash and block_size(T) is not None:
-                        o = flash_attention_train(q, k, v, kv_len)  # never writes [T, T] scores to HBM
-                    else:
-                        o = attention(q, k, v, q_pos, kv_len)  # [B, T, H, Dh]
+                    o = self_attention(q, k, v, q_pos, kv_len, self.flash, self.attention_impl)  # [B, T, H, Dh]
                     if seq:
                         with jax.named_scope("ulysses"):
                             o = jax.sharding.reshard(o, self._act_spec(mesh, 4, seq))
@@ -259,9 +258,8 @@ class Model:
                     return mlp(h, layer), (ck, cv)
                 elif attend_cache:
                     o = cached_attention(q, k, v, kv_cache.k, kv_cache.v, index, start, sequence_lens, self.kv_block)
-                else:  # a prefill, causal over its own tokens (flash: no [T, T] scores in HBM)
-                    flash = self.flash and block_size(T) is not None
-                    o = flash_attention_train(q, k, v, sequence_lens) if flash else attention(q, k, v, own_pos, sequence_lens)
+                else:  # a prefill, causal over its own tokens
+                    o = self_attention(q, k, v, own_pos, sequence_lens, self.flash, self.attention_impl)
                 h = h + self._contract("bthk,hkd->btd", o, layer.wo, seq)
             h = mlp(h, layer)
             # This call's K/V as [B, K, T, Dh], the cache layout: written once, after the layer loop.
@@ -368,7 +366,8 @@ class Model:
         y = jnp.reshape(y, shape, out_sharding=self._act_spec(mesh, 2, self.seq_axes(mesh)))
         return jax.sharding.reshard(y, self._act_spec(mesh, 2))[:, :-1]
 
-    def get_logprobs(self, params: Params, tokens: jax.Array, seq_lens: jax.Array, temperature: float = 1.0) -> jax.Array:
+    def get_logprobs(self, params: Params, tokens: jax.Array, seq_lens: jax.Array,
+                     temperature: float = 1.0) -> jax.Array:
         """[B, T] tokens -> [B, T-1] log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / temperature).
 
         Positions at or past seq_lens-1 are 0. Temperature semantics: see `asyncrl/inference/sampling.py`."""

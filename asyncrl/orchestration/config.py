@@ -127,11 +127,12 @@ class RunConfig:
     hosts: int = 2
     """Simulated hosts for a local run (ignored on a real cluster, where one host = one TPU VM)."""
     devices_per_host: int = 1
-    """Fake CPU devices per simulated host."""
+    """Fake CPU devices per simulated host (run.platform gpu: GPUs per host actor)."""
     max_restarts: int = 1
     """On a dead host actor: restart all hosts from the latest checkpoint this many times, then fail."""
     platform: str = "auto"
-    """'cpu' forces the CPU backend on every host; 'auto' lets JAX choose (TPU/GPU when present)."""
+    """'cpu' forces the CPU backend on every host; 'gpu' gives each of `hosts` host actors `devices_per_host`
+    GPUs (Ray's num_gpus) on JAX's CUDA backend; 'auto' lets JAX choose (TPU when present)."""
     startup_timeout_s: float = 180.0
     """Longest the driver waits for all hosts to join jax.distributed."""
     stall_timeout_s: float = 1800.0

@@ -4,7 +4,8 @@ Locally (no RAY_ADDRESS) it starts its own Ray cluster and simulates `run.hosts`
 `run.devices_per_host` fake CPU devices. Their JAX coordinator and CPU transfer sockets bind to 127.0.0.1, and
 with `run.dashboard` so does the dashboard. (Ray's own services keep Ray's node IP: on Linux Ray turns a loopback
 node address back into the machine's, and they sit behind Ray's token auth.) On a TPU cluster it finds the TPU
-hosts and places one actor on each with a STRICT_SPREAD placement group; they bind to their node's IP.
+hosts and places one actor on each with a STRICT_SPREAD placement group; they bind to their node's IP. With
+`run.platform: gpu` each of `run.hosts` actors takes `run.devices_per_host` GPUs (`gpu_host_options`).
 
 It reads the driver's part of the run config (`DriverConfig`) and hands each host actor its `HostConfig`.
 """
@@ -98,6 +99,14 @@ def host_env() -> dict[str, str]:
     return env
 
 
+def gpu_host_options(cfg: DriverConfig, env: dict[str, str]) -> dict[str, Any]:
+    """Ray options of one host actor of a `run.platform: gpu` run: `run.devices_per_host` GPUs each (Ray sets the
+    actor's CUDA_VISIBLE_DEVICES to them), on JAX's CUDA backend; the hosts join one jax.distributed job, whose
+    collectives and cross-host transfers are the GPU backend's own (no gloo, no CPU transfer sockets)."""
+    return {"num_cpus": 1, "num_gpus": cfg.run.devices_per_host, "max_restarts": 0, "max_concurrency": 2,
+            "runtime_env": {"env_vars": env | {"JAX_PLATFORMS": "cuda"}}}
+
+
 def _make_actors(cfg: DriverConfig, run_dir: str, queues: dict[str, Any], bind_ip: str | None) -> tuple[list[Any], Any]:
     tpu = _tpu_hosts() if cfg.run.platform in ("auto", "tpu") else []
     env = host_env()
@@ -116,6 +125,11 @@ def _make_actors(cfg: DriverConfig, run_dir: str, queues: dict[str, Any], bind_i
                                 ).remote(i, n, cfg.host, run_dir, queues, bind_ip) for i in range(n)]
         return actors, pg
     n = cfg.run.hosts
+    if cfg.run.platform == "gpu":
+        Actor = ray.remote(HostActor)
+        actors = [Actor.options(**gpu_host_options(cfg, env)).remote(i, n, cfg.host, run_dir, queues, bind_ip)
+                  for i in range(n)]
+        return actors, None
     env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.run.devices_per_host}",
             "OMP_NUM_THREADS": "1"}
     # Simulated hosts take no CPU reservation: a 2-core laptop must fit every one of them.

@@ -77,6 +77,9 @@ class Trainer:
         self.model = (model.with_rules(train_rules(sharding_cfg))
                       .with_remat(train_cfg.remat, train_cfg.remat_policy)
                       .with_flash(train_cfg.attention == "flash" or (train_cfg.attention == "auto" and on_tpu)))
+        # 'auto' off TPU: cuDNN's fused attention on a GPU where it applies (models/attention_impl.py).
+        self.model = dataclasses.replace(self.model, attention_impl="reference" if train_cfg.attention == "reference"
+                                         else "auto")
         cp = self.mesh.shape["cp"]
         if cp > 1 and (model.cfg.num_heads % cp or train_cfg.pad_to_multiple % cp):
             raise ValueError(f"sharding.mesh.cp_ulysses={cp} must divide the model's {model.cfg.num_heads} attention "

@@ -1,0 +1,23 @@
+"""`run.platform: gpu` in the driver (orchestration/driver.py): each host actor takes its GPUs through Ray and runs
+on JAX's CUDA backend, never the simulated CPU hosts' settings. No GPU here: the actor options are checked."""
+
+import pytest
+
+from asyncrl.config.loader import load_config
+from asyncrl.orchestration.driver import gpu_host_options, host_env
+from asyncrl.validate import ConfigError
+
+
+def test_gpu_hosts_take_their_gpus_and_the_cuda_backend():
+    cfg = load_config("default", ["run.platform=gpu", "run.devices_per_host=4"])
+    opts = gpu_host_options(cfg.driver_config(), host_env())
+    assert opts["num_gpus"] == 4 and opts["num_cpus"] == 1
+    env = opts["runtime_env"]["env_vars"]
+    assert env["JAX_PLATFORMS"] == "cuda"
+    assert "XLA_FLAGS" not in env  # the fake-CPU-device flag is the simulated hosts' only
+    assert env["PYTHONPATH"] == host_env()["PYTHONPATH"]
+
+
+def test_an_unknown_platform_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="run.platform"):
+        load_config("default", ["run.platform=rocm"])
