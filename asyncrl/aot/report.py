@@ -1,5 +1,5 @@
-"""The report of `launch.py aot` (`asyncrl/cli/aot.py`): compile a run's programs for a TPU slice on any machine, and say whether they fit and how fast
-they can be.
+"""The report of `launch.py aot` (`asyncrl/cli/aot.py`): compile a run's programs for a TPU slice on any machine,
+and say whether they fit and how fast they can be.
 
 For each program (`programs.py`) the compiled executable gives per-chip memory (`memory_analysis`) and the
 compiled HLO, from which `hlo_cost.py` reads loop-weighted FLOPs, HBM bytes and collective bytes. With the chip's
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from asyncrl.aot.libtpu import quiet_libtpu_without_tpu
 from asyncrl.aot.roofline import CHIPS, ChipSpec
 
 GiB = 2**30
@@ -78,6 +79,7 @@ def chip_of(topology: str) -> tuple[str, ChipSpec, float]:
 def topology_devices(topology: str) -> list[Any]:
     """The devices of a TPU slice, from libtpu's topology description (no TPU needed)."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu's lock file would refuse a second process
+    quiet_libtpu_without_tpu()
     from jax.experimental import topologies
 
     try:
