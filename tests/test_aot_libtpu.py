@@ -37,10 +37,13 @@ _LIBTPU = re.compile(r"libtpu|TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES|InitGoog
 
 
 @pytest.mark.skipif(not _has_libtpu() or libtpu.tpu_attached(), reason="needs libtpu installed and no TPU attached")
-def test_aot_prints_the_table_and_nothing_from_libtpu():
-    out = subprocess.run([sys.executable, "launch.py", "aot", "--config-name", "tpu_tiny"], cwd=ROOT,
-                         env=_user_env(), capture_output=True, text=True, timeout=900)
+def test_aot_prints_the_table_and_nothing_from_libtpu(tmp_path):
+    env = _user_env() | {"ASYNCRL_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "launch.py", "aot", "--config-name", "tpu_tiny"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
+    # libtpu's own log files go under the cache, not to /tmp/tpu_logs, which a local Ray run streams to its console.
+    assert any(f.name.startswith("tpu_driver") for f in (tmp_path / "tpu_logs").iterdir())
     foreign = [ln for ln in (out.stdout + out.stderr).splitlines() if _LIBTPU.search(ln)]
     assert not foreign, foreign
     err = out.stderr.splitlines()
@@ -53,26 +56,36 @@ def test_aot_prints_the_table_and_nothing_from_libtpu():
     assert all(ln.split()[10] == "yes" for ln in lines[3:]), lines  # the "fits" column
 
 
-def test_a_variable_the_user_set_keeps_its_value_and_the_rest_stay_unset(monkeypatch):
-    monkeypatch.setattr(libtpu, "tpu_attached", lambda: False)
-    for key in libtpu._USER_TPU_ENV:
+def _clear(monkeypatch, attached: bool) -> None:
+    monkeypatch.setattr(libtpu, "tpu_attached", lambda: attached)
+    for key in (*libtpu._USER_TPU_ENV, "TPU_LOG_DIR"):
         monkeypatch.delenv(key, raising=False)
+
+
+def test_a_variable_the_user_set_keeps_its_value_and_the_rest_stay_unset(monkeypatch):
+    _clear(monkeypatch, attached=False)
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-8")
     assert libtpu.quiet_libtpu_without_tpu() is False
-    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v6e-8" and "TPU_WORKER_HOSTNAMES" not in os.environ
+    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v6e-8"
+    assert "TPU_WORKER_HOSTNAMES" not in os.environ and "TPU_LOG_DIR" not in os.environ
+
+
+def test_a_log_dir_the_user_set_is_kept(monkeypatch):
+    _clear(monkeypatch, attached=False)
+    monkeypatch.setenv("TPU_LOG_DIR", "/var/log/mine")
+    assert libtpu.quiet_libtpu_without_tpu() is True
+    assert os.environ["TPU_LOG_DIR"] == "/var/log/mine"
 
 
 def test_a_tpu_host_is_left_alone(monkeypatch):
-    monkeypatch.setattr(libtpu, "tpu_attached", lambda: True)
-    for key in libtpu._USER_TPU_ENV:
-        monkeypatch.delenv(key, raising=False)
+    _clear(monkeypatch, attached=True)
     assert libtpu.quiet_libtpu_without_tpu() is False
-    assert not any(k in os.environ for k in libtpu._QUIET_ENV)
+    assert not any(k in os.environ for k in (*libtpu._QUIET_ENV, "TPU_LOG_DIR"))
 
 
-def test_no_tpu_and_no_user_variables_sets_both(monkeypatch):
-    monkeypatch.setattr(libtpu, "tpu_attached", lambda: False)
-    for key in libtpu._USER_TPU_ENV:
-        monkeypatch.delenv(key, raising=False)
+def test_no_tpu_and_no_user_variables_sets_them_all(monkeypatch, tmp_path):
+    _clear(monkeypatch, attached=False)
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
     assert libtpu.quiet_libtpu_without_tpu() is True
     assert {k: os.environ[k] for k in libtpu._QUIET_ENV} == libtpu._QUIET_ENV
+    assert os.environ["TPU_LOG_DIR"] == str(tmp_path / "tpu_logs")

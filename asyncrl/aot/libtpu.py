@@ -9,6 +9,11 @@ every one of them (each variable alone removes only its half), and the devices o
 (v5p, v6e, v5e, v4) stay the same, as do the rows of `launch.py aot --config-name tpu_tiny` on v5p:2x2x1 and
 v6e:2x4 (compared with and without, 2026-12-06).
 
+libtpu also writes INFO logs of every compile to /tmp/tpu_logs, and a local Ray cluster (`python launch.py`)
+streams whatever appears there to its driver's console ("(pid=) I1206 ... deepsea_compiler_backend.cc ..."), so
+a `launch.py aot` beside a local run filled the run's console with the compiler's logs. Without a TPU they go
+under the asyncrl cache instead (TPU_LOG_DIR; ASYNCRL_CACHE, default ~/.cache/asyncrl, as for converted models).
+
 A host with TPU chips attached, or one where the user set any of libtpu's topology variables, is left exactly as
 it is: there libtpu's messages matter and the values are real.
 """
@@ -57,4 +62,6 @@ def quiet_libtpu_without_tpu() -> bool:
         return False
     for key, value in _QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    cache = os.environ.get("ASYNCRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "asyncrl"))
+    os.environ.setdefault("TPU_LOG_DIR", os.path.join(cache, "tpu_logs"))  # libtpu creates it
     return True
