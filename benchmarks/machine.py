@@ -7,6 +7,13 @@ from __future__ import annotations
 import os
 import platform
 
+from asyncrl.aot.libtpu import quiet_libtpu_without_tpu
+
+# Every benchmark that imports this module does so before its first JAX computation, which is when libtpu (in a
+# venv with requirements-tpu.txt) loads: on a machine with no TPU that keeps its start-up error lines off the
+# console; on a TPU host it does nothing.
+quiet_libtpu_without_tpu()
+
 VECTOR_PREFIXES = ("avx", "fma", "amx", "sse4", "f16c", "vnni", "bf16")
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.aot.libtpu import quiet_libtpu_without_tpu
 from asyncrl.aot.roofline import CHIPS, ChipSpec
 
 if TYPE_CHECKING:  # the programs module builds a Trainer and an engine: imported when the programs are built
@@ -106,6 +107,7 @@ def chip_of(topology: str) -> tuple[str, ChipSpec, float]:
 def topology_devices(topology: str) -> list[Any]:
     """The devices of a TPU slice, from libtpu's topology description (no TPU needed)."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu's lock file would refuse a second process
+    quiet_libtpu_without_tpu()
     from jax.experimental import topologies
 
     try:

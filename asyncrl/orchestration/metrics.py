@@ -120,7 +120,9 @@ class MetricsSink:
             ax.plot(*zip(*evals), "o-", label="held-out eval reward")
         ax.set_xlabel("step")
         ax.set_ylabel("mean reward")
-        ax.set_ylim(-0.02, 1.02)
+        # The task's reward range, [0, 1], from zero; widened only if a reward (a user's environment's) falls outside.
+        ys = [y for _, y in train + evals]
+        ax.set_ylim(min(-0.02, min(ys) - 0.02), max(1.02, max(ys) + 0.02))
         ax.grid(alpha=0.3)
         ax.legend()
         ax.set_title(os.path.basename(os.path.abspath(self.run_dir)))
