@@ -25,8 +25,8 @@ class MeshConfig:
         for k in ("dp", "fsdp", "cp_ulysses"):
             v = getattr(self, k)
             check(f"sharding.mesh.{k}", v, v == -1 or v >= 1, ">= 1 or -1 (the rest)")
-        check("sharding.mesh", (self.dp, self.fsdp, self.cp_ulysses), [self.dp, self.fsdp, self.cp_ulysses].count(-1) <= 1,
-              "at most one axis set to -1")
+        axes = (self.dp, self.fsdp, self.cp_ulysses)
+        check("sharding.mesh", axes, list(axes).count(-1) <= 1, "at most one axis set to -1")
 
     def resolve(self, n_devices: int) -> tuple[int, int, int]:
         sizes = [self.dp, self.fsdp, self.cp_ulysses]
@@ -38,7 +38,8 @@ class MeshConfig:
             raise ValueError(f"sharding.mesh={sizes} does not divide {n_devices} devices")
         sizes = [n_devices // known if s == -1 else s for s in sizes]
         if sizes[0] * sizes[1] * sizes[2] != n_devices:
-            raise ValueError(f"sharding.mesh={sizes} uses {sizes[0] * sizes[1] * sizes[2]} devices, but {n_devices} are given")
+            raise ValueError(f"sharding.mesh={sizes} uses {sizes[0] * sizes[1] * sizes[2]} devices, but {n_devices} "
+                             "are given")
         return sizes[0], sizes[1], sizes[2]
 
 
@@ -82,8 +83,9 @@ class LoraConfig:
         check("train.lora.rank", self.rank, self.rank >= 0, ">= 0")
         check("train.lora.alpha", self.alpha, self.alpha > 0, "> 0")
         bad = [t for t in self.targets if t not in LORA_TARGETS]
-        check("train.lora.targets", list(self.targets), not bad and len(self.targets) > 0 and
-              len(set(self.targets)) == len(self.targets), f"a non-empty list of distinct names from {list(LORA_TARGETS)}")
+        check("train.lora.targets", list(self.targets),
+              not bad and len(self.targets) > 0 and len(set(self.targets)) == len(self.targets),
+              f"a non-empty list of distinct names from {list(LORA_TARGETS)}")
 
     @property
     def enabled(self) -> bool:

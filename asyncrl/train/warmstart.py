@@ -94,7 +94,8 @@ def cached_format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, 
     from asyncrl.models import from_pretrained, save_pretrained
 
     key = json.dumps({"v": 3, "model": repr(model.cfg), "source": source, "task": repr(task_cfg), "steps": steps,
-                      "seed": seed, "chat": chat, "vocab": tokenizer.vocab_size, "lr": lr, "batch": batch}, sort_keys=True)
+                      "seed": seed, "chat": chat, "vocab": tokenizer.vocab_size, "lr": lr, "batch": batch},
+                     sort_keys=True)
     folder = os.path.join(cache_root, "warmstart-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     if os.path.isdir(folder):  # only ever created whole, by the os.replace below
         log.info("format warm-start: cached at %s", folder)
