@@ -165,7 +165,8 @@ class Rollout:
     @property
     def rewards(self) -> np.ndarray:
         if any(c.reward is None for c in self.completions):
-            raise ValueError(f"rollout of {self.prompt.id} (data position {self.prompt.position}) has unscored completions")
+            raise ValueError(f"rollout of {self.prompt.id} (data position {self.prompt.position}) has unscored "
+                             "completions")
         return np.asarray([c.reward for c in self.completions], np.float32)
 
 

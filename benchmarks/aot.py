@@ -87,7 +87,8 @@ def table(results: dict) -> str:
             ok = r["error"] is None
             lines.append((case, r["program"], str(r["chips"]), f"{r['peak_bytes_per_chip'] / 2**30:.2f}",
                           "yes" if r["fits"] else "NO",
-                          f"{r['flops'] / 1e12:.2f}" if ok else "-", f"{r['hbm_bytes_accessed'] / 1e9:.2f}" if ok else "-",
+                          f"{r['flops'] / 1e12:.2f}" if ok else "-",
+                          f"{r['hbm_bytes_accessed'] / 1e9:.2f}" if ok else "-",
                           f"{r['roofline_s'] * 1e3:.1f}" if ok else "-", f"{r['ideal_s'] * 1e3:.1f}" if ok else "-",
                           f"{r['ratio']:.2f}" if ok else "-",
                           *(f"{c.get(k, 0) / 1e9:.2f}" for k in ("all-gather", "all-reduce", "reduce-scatter",

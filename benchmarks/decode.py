@@ -310,7 +310,8 @@ def slot_utilization(m: Loaded, sequences: int, batch: int, max_new: int, eos_id
     return {
         "sequences": sequences, "batch_slots": batch, "max_new_tokens": max_new,
         "length_stats": {"mean": float(lengths.mean()), "p50": float(np.median(lengths)),
-                         "p90": float(np.percentile(lengths, 90)), "max": int(lengths.max()), "min": int(lengths.min())},
+                         "p90": float(np.percentile(lengths, 90)), "max": int(lengths.max()),
+                         "min": int(lengths.min())},
         "useful_tokens": useful, "continuous_steps": steps, "static_steps": static_steps,
         "continuous_util": useful / (steps * batch), "static_util": useful / (static_steps * batch),
         "continuous_calls": eng.stats.calls - calls0, "continuous_wall_s": wall,
@@ -491,9 +492,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         o, rf = r["ours"], r["roofline"]
         lines.append(
-            f"{r['model']:<13}{r['dtype']:<9}{r['batch']:>3}{r['new_tokens']:>4} {o['tok_s']:>11.1f}{r['transformers']['tok_s']:>10.1f}"
-            f"{r['ratio']:>6.2f}x{o['ms_per_step']:>9.2f}{rf['bw_roof_tok_s']:>9.0f}{100 * r['share_of_bw_roof']:>5.1f}%"
-            f"{rf['flop_roof_tok_s']:>10.0f}{100 * r['share_of_flop_roof']:>6.1f}%{o['compile_s']:>10.1f}{r['repeats']:>5}"
+            f"{r['model']:<13}{r['dtype']:<9}{r['batch']:>3}{r['new_tokens']:>4} {o['tok_s']:>11.1f}"
+            f"{r['transformers']['tok_s']:>10.1f}"
+            f"{r['ratio']:>6.2f}x{o['ms_per_step']:>9.2f}{rf['bw_roof_tok_s']:>9.0f}"
+            f"{100 * r['share_of_bw_roof']:>5.1f}%"
+            f"{rf['flop_roof_tok_s']:>10.0f}{100 * r['share_of_flop_roof']:>6.1f}%{o['compile_s']:>10.1f}"
+            f"{r['repeats']:>5}"
         )
     return "\n".join(lines)
 
@@ -537,13 +541,15 @@ def main() -> None:
                 m = load(name, dtype, tmp)
                 if dtype == "float32":
                     loaded[name] = m
-                n_new = min(new_tokens, args.bf16_new_tokens) if (name, dtype) == ("smollm2", "bfloat16") else new_tokens
+                slow = (name, dtype) == ("smollm2", "bfloat16")
+                n_new = min(new_tokens, args.bf16_new_tokens) if slow else new_tokens
                 for batch in args.batches:
                     log(f"{MODELS[name]} {dtype} batch {batch}: {n_new} new tokens")
                     row, eng, prompts = bench_config(m, dtype, batch, n_new, args.repeats, args.budget_s,
                                                      BW["used_Bps"], BW["matmul_flops"])
                     rows.append(row)
-                    log(f"  ours {row['ours']['tok_s']:.1f} tok/s (runs {np.round(row['ours']['all_tok_s'], 1).tolist()}),"
+                    log(f"  ours {row['ours']['tok_s']:.1f} tok/s "
+                        f"(runs {np.round(row['ours']['all_tok_s'], 1).tolist()}),"
                         f" transformers {row['transformers']['tok_s']:.1f} tok/s "
                         f"(runs {np.round(row['transformers']['all_tok_s'], 1).tolist()}), ratio {row['ratio']:.2f}x")
                     if not args.skip_profile and (name, dtype, batch) == profile_key:
@@ -572,10 +578,12 @@ def main() -> None:
     print(f"\nDecode, greedy, N new tokens, prompts of {PROMPT_LENS[0]}-{PROMPT_LENS[1] - 1} tokens "
           f"(best of up to {args.repeats} runs); bandwidth {BW['used_Bps'] / 1e9:.1f} GB/s (numpy copy, R+W), "
           f"matmul {BW['matmul_flops'] / 1e9:.0f} GFLOP/s (numpy fp32)")
-    print(f"machine: {describe(host)}; copy {BW['used_Bps'] / 1e9:.1f} GB/s, matmul {BW['matmul_flops'] / 1e9:.0f} GFLOP/s")
+    print(f"machine: {describe(host)}; copy {BW['used_Bps'] / 1e9:.1f} GB/s, "
+          f"matmul {BW['matmul_flops'] / 1e9:.0f} GFLOP/s")
     print(table(rows))
     print(f"\nSlot utilization ({util['sequences']} sequences, {util['batch_slots']} slots, completion length mean "
-          f"{util['length_stats']['mean']:.0f}, p90 {util['length_stats']['p90']:.0f}, max {util['length_stats']['max']}):"
+          f"{util['length_stats']['mean']:.0f}, p90 {util['length_stats']['p90']:.0f}, "
+          f"max {util['length_stats']['max']}):"
           f" continuous {100 * util['continuous_util']:.1f}% ({util['continuous_steps']} steps), static "
           f"{100 * util['static_util']:.1f}% ({util['static_steps']} steps)")
     if prof is not None:

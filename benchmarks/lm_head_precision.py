@@ -117,7 +117,8 @@ def main() -> int:
         ok = gap <= 1.1 * base and float(err.max()) <= 0.01
         result["rows"][name] = {"mean_gap_to_sampler": gap, "added": gap / base - 1, "mean_err_to_exact":
                                 float(err.mean()), "max_err_to_exact": float(err.max()), "within_bound": ok}
-        print(f"{name:<18}{gap:>21.5f}{100 * (gap / base - 1):>8.1f}%{float(err.mean()):>19.6f}{float(err.max()):>18.5f}"
+        print(f"{name:<18}{gap:>21.5f}{100 * (gap / base - 1):>8.1f}%{float(err.mean()):>19.6f}"
+              f"{float(err.max()):>18.5f}"
               f"{'yes' if ok else 'no':>14}")
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

@@ -59,7 +59,8 @@ def load(name: str):
 def trained_adapters(model: Model, rank: int, seed: int = 1):
     """Adapters with B off its zero init, as after training (B = 0 would skip nothing in the unmerged path either)."""
     ad = lora.init(model.cfg, rank, tuple(lora.TARGETS), jax.random.key(seed))
-    return {f: {"a": p["a"], "b": 0.01 * jax.random.normal(jax.random.key(seed + 7), p["b"].shape)} for f, p in ad.items()}
+    return {f: {"a": p["a"], "b": 0.01 * jax.random.normal(jax.random.key(seed + 7), p["b"].shape)}
+            for f, p in ad.items()}
 
 
 def engine(model: Model, params, batch: int, new_tokens: int) -> Engine:
@@ -160,8 +161,10 @@ def main() -> None:
     relayout = {"merged": best_s(lambda: engines["merged"].set_params(merged, 1) or engines["merged"].params, 3),
                 "unmerged": best_s(lambda: engines["unmerged"].set_params(lora.attach(params, ad, scale), 1)
                                    or engines["unmerged"].params, 3)}
-    cpu = {name: {"decode_tok_s": max(r), "all_tok_s": r, "sync_s": (merge_s if name == "merged" else 0.0) + relayout[name],
-                  "merge_s": merge_s if name == "merged" else 0.0, "relayout_s": relayout[name]} for name, r in runs.items()}
+    cpu = {name: {"decode_tok_s": max(r), "all_tok_s": r,
+                  "sync_s": (merge_s if name == "merged" else 0.0) + relayout[name],
+                  "merge_s": merge_s if name == "merged" else 0.0, "relayout_s": relayout[name]}
+           for name, r in runs.items()}
     result = {"machine": info, "model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
               "rank": args.rank, "cpu": cpu, "unmerged_over_merged_decode": cpu["unmerged"]["decode_tok_s"] /
               cpu["merged"]["decode_tok_s"], "sync_bytes": sync_bytes_table(args.rank),
@@ -178,7 +181,8 @@ def main() -> None:
           f"{info['load_1m_at_start']:.2f} at start, {result['load_avg_1m_at_end']:.2f} at end")
     print(f"{'inference':<10} {'decode tok/s':>13} {'per sync s':>11} {'(merge s)':>10} {'(re-layout s)':>14}")
     for name, r in cpu.items():
-        print(f"{name:<10} {r['decode_tok_s']:>13.1f} {r['sync_s']:>11.3f} {r['merge_s']:>10.3f} {r['relayout_s']:>14.3f}")
+        print(f"{name:<10} {r['decode_tok_s']:>13.1f} {r['sync_s']:>11.3f} {r['merge_s']:>10.3f} "
+              f"{r['relayout_s']:>14.3f}")
     print(f"unmerged / merged decode: {result['unmerged_over_merged_decode']:.3f}")
     if "aot" in result:
         print("\nTPU (launch.py aot):")

@@ -10,7 +10,8 @@ and as the same share of the wall time (prefills, extends and any wait count as 
 spent sampling rather than feeding observations; and the share of the wall time the engine ran a model program for
 its rows (decode, extend or prefill), the rest being parks and host work between calls.
 
-    python benchmarks/multiturn.py [--env-s 0.5] [--seconds 30] [--pairs 5] [--turns 3] [--tokens-per-turn 32] [--parked 512]
+    python benchmarks/multiturn.py [--env-s 0.5] [--seconds 30] [--pairs 5] [--turns 3] [--tokens-per-turn 32] \\
+        [--parked 512]
 
 Writes benchmarks/results/multiturn_<model>.json.
 """
@@ -187,13 +188,16 @@ def main() -> int:
     machine = host_machine()
     machine["devices"] = str(jax.devices()[0])
     print(f"{'':16}{'steady s':>9}{'tok/s':>8}{'busy(steps)':>12}{'busy(time)':>11}{'decode':>8}{'extend':>8}"
-          f"{'prefill':>8}{'model':>7}{'re-prefill':>11} |{'wall s':>8}{'episodes':>9}{'tokens':>8}{'tok/s':>8}{'turns':>6}")
+          f"{'prefill':>8}{'model':>7}{'re-prefill':>11} |{'wall s':>8}{'episodes':>9}{'tokens':>8}{'tok/s':>8}"
+          f"{'turns':>6}")
     for i, pair in enumerate(pairs):
         for name in ("multi_turn", "single_turn"):
             r = pair[name]
-            print(f"{i} {name:14}{r['steady_s']:9.2f}{r['steady_tokens_per_s']:8.0f}{r['steady_slots_busy_steps']:12.3f}"
+            print(f"{i} {name:14}{r['steady_s']:9.2f}{r['steady_tokens_per_s']:8.0f}"
+                  f"{r['steady_slots_busy_steps']:12.3f}"
                   f"{r['steady_slots_busy_time']:11.3f}{r['steady_decode_share']:8.3f}{r['steady_extend_share']:8.3f}"
-                  f"{r['steady_prefill_share']:8.3f}{r['steady_model_share']:7.3f}{r['steady_re_prefills']:11.0f} |{r['wall_s']:8.2f}"
+                  f"{r['steady_prefill_share']:8.3f}{r['steady_model_share']:7.3f}{r['steady_re_prefills']:11.0f} |"
+                  f"{r['wall_s']:8.2f}"
                   f"{r['episodes']:9.0f}{r['generated_tokens']:8.0f}{r['tokens_per_s']:8.0f}{r['turns_mean']:6.2f}")
         r = pair["multi_turn"]
         print(f"{i} multi_turn     sampling (time) {r['steady_slots_sampling_time']:.3f}, row-steps feeding "

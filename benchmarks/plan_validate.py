@@ -70,16 +70,19 @@ def main() -> int:
         pred = predicted_row(sim, sim.steps)
         meas = replay.measured.row()
         out["cases"][name] = {"overrides": CASES[name], "measured": meas, "predicted": pred,
-                              "times": {k: getattr(replay.times, k).__dict__ if hasattr(getattr(replay.times, k), "__dict__")
-                                        else getattr(replay.times, k) for k in replay.times.__dataclass_fields__},
+                              "times": {k: vars(t) if hasattr(t, "__dict__") else t
+                                        for k in replay.times.__dataclass_fields__
+                                        for t in [getattr(replay.times, k)]},
                               "lengths_mean": replay.lengths.mean, "notes": replay.notes}
     print(f"\n{'case':<11}" + "".join(f"{k:>24}" for k in KEYS))
     for name, c in out["cases"].items():
         for kind in ("measured", "predicted"):
-            print(f"{name if kind == 'measured' else '':<11}" + "".join(f"{c[kind][k]:>24.3f}" for k in KEYS) + f"  {kind}")
+            print(f"{name if kind == 'measured' else '':<11}" + "".join(f"{c[kind][k]:>24.3f}" for k in KEYS)
+                  + f"  {kind}")
         err = (c["predicted"]["step_s"] - c["measured"]["step_s"]) / c["measured"]["step_s"]
         c["step_s_error"] = err
-        c["busy_error_points"] = {k: 100 * (c["predicted"][k] - c["measured"][k]) for k in ("trainer_busy", "inference_busy")}
+        c["busy_error_points"] = {k: 100 * (c["predicted"][k] - c["measured"][k])
+                                  for k in ("trainer_busy", "inference_busy")}
         print(f"{'':<11}step time {100 * err:+.1f}%, trainer busy {c['busy_error_points']['trainer_busy']:+.1f} pts, "
               f"inference busy {c['busy_error_points']['inference_busy']:+.1f} pts")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

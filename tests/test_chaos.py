@@ -62,7 +62,8 @@ def _max_step(run_dir):
 
 VARIANTS = {
     "one_trainer": ["run.hosts=3", "async.train_workers=1"],
-    "two_trainers_kl": ["run.hosts=4", "async.train_workers=2", "loss.kl_coef=0.05", "train.format_warmstart_steps=150"],
+    "two_trainers_kl": ["run.hosts=4", "async.train_workers=2", "loss.kl_coef=0.05",
+                        "train.format_warmstart_steps=150"],
 }
 
 
@@ -78,8 +79,8 @@ def test_chaos_three_kills_one_during_a_weight_sync(tmp_path, variant):
     # of an inference host (seen once in test_inference_host_killed).
     external = sorted(int(x) for x in rng.choice(np.arange(24, 46), size=2, replace=False))
     external_ranks = [int(x) for x in rng.integers(0, n_hosts, size=2)]
-    schedule = f"{variant}, seed {seed}: kill in weight sync {sync_step} on rank {sync_rank}; SIGKILL at steps {external} " \
-               f"to ranks {external_ranks}"
+    schedule = (f"{variant}, seed {seed}: kill in weight sync {sync_step} on rank {sync_rank}; "
+                f"SIGKILL at steps {external} to ranks {external_ranks}")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
     env["ASYNCRL_FAULTS"] = f"kill@weight_sync:{sync_rank}:{sync_step}"
     args = [*TINY, f"train.total_steps={STEPS}", *VARIANTS[variant], "async.max_lag=2",

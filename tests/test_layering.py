@@ -1,8 +1,10 @@
 """Layering: asyncrl is a stack of units (packages, and the few modules at its root), each allowed to import only
 the units below it. Two checks hold every unit to that, with no exemptions:
 - imported alone in a fresh interpreter (every one of its modules), a unit pulls in only units it may use;
-- reading the source of every module of asyncrl/ and of launch.py (lazy imports inside functions count), no import
-  points at a unit it may not use, and no modules import each other in a loop."""
+- reading the source of every module of asyncrl/ and of launch.py (`tests/layering.py`: lazy, relative and literal
+  dynamic imports count, packages by their own names), no import points at a unit it may not use, and no modules
+  (package `__init__`s included) import each other in a loop.
+The checker's own tests build small trees with each kind of violation it once missed, and must catch every one."""
 
 import ast
 import json
@@ -12,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests import layering
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -92,45 +96,12 @@ def test_models_never_import_the_trainer_inference_or_orchestration():
     assert not used & {"train", "inference", "orchestration", "tasks", "aot", "weightsync", "config", "cli"}, used
 
 
-def _sources() -> dict[str, pathlib.Path]:
-    mods = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in (ROOT / "asyncrl").rglob("*.py")}
-    mods["launch"] = ROOT / "launch.py"
-    return mods
-
-
-def _unit(module: str) -> str:
-    return "launch" if module == "launch" else module.split(".")[1]
-
-
-def _module_graph() -> dict[str, set[str]]:
-    """module -> the asyncrl modules (and `launch`) it imports anywhere in its source. A package's `__init__` counts
-    as its package (a `from asyncrl.x import y` reads it)."""
-    mods = _sources()
-    graph = {}
-    for name, path in mods.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("asyncrl", "launch"):
-                for a in node.names:
-                    full = f"{node.module}.{a.name}"
-                    deps.add(full if full in mods else node.module if node.module in mods
-                             else f"{node.module}.__init__")
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.split(".")[0] in ("asyncrl", "launch")}
-        graph[name] = {d for d in deps if d in mods and d != name}
-    return graph
-
-
 def test_no_import_points_up_a_layer():
-    """Read from the source, so that a lazy import inside a function counts too, and `launch.py` is included."""
-    bad = []
-    for mod, deps in _module_graph().items():
-        unit = _unit(mod)
-        for d in deps:
-            target = _unit(d)
-            if target != unit and target not in ALLOWED[unit]:
-                bad.append(f"{mod} -> {d}")
-    assert not bad, bad
+    """Read from the source (`layering.py`), so that lazy and relative imports count too, and `launch.py` is
+    included."""
+    graph = layering.module_graph(ROOT)
+    assert "asyncrl.train" in graph and "launch" in graph  # packages are named as they are imported
+    assert layering.up_arrows(graph, ALLOWED) == []
 
 
 def test_train_imports_neither_inference_nor_orchestration():
@@ -139,42 +110,86 @@ def test_train_imports_neither_inference_nor_orchestration():
     assert not used & {"inference", "orchestration"}, used
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while not comp or comp[-1] != v:
-                comp.append(stack.pop())
-                on.discard(comp[-1])
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
-
-
 def test_no_import_cycles():
-    graph = {m: {d for d in deps if not d.endswith(".__init__")} for m, deps in _module_graph().items()
-             if not m.endswith(".__init__")}
-    assert "asyncrl.tasks.registry" in graph and graph["asyncrl.tasks.registry"] >= {"asyncrl.tasks.digits"}
-    assert _cycles(graph) == []
+    graph = layering.module_graph(ROOT)
+    assert graph["asyncrl.tasks.registry"] >= {"asyncrl.tasks.digits"}
+    assert layering.cycles(graph) == []
     # The checker finds a cycle when there is one: the old one between launch.py and the aot report.
-    assert _cycles({**graph, "launch": graph["launch"] | {"asyncrl.aot.report"},
-                    "asyncrl.aot.report": graph["asyncrl.aot.report"] | {"launch"}})
+    assert layering.cycles({**graph, "launch": graph["launch"] | {"asyncrl.aot.report"},
+                            "asyncrl.aot.report": graph["asyncrl.aot.report"] | {"launch"}})
+
+
+# ---- the checker itself, on synthetic trees ---------------------------------------------------------------------
+# Two units: `low` may import nothing, `high` may import `low`. Each injection below once passed the old checker.
+
+SYNTH_ALLOWED = {"low": set(), "high": {"low"}, "launch": {"high", "low"}}
+CLEAN = {
+    "asyncrl/__init__.py": "",
+    "asyncrl/low/__init__.py": "from asyncrl.low.core import f\n",
+    "asyncrl/low/core.py": "import json\n\n\ndef f():\n    return json.dumps(1)\n",
+    "asyncrl/low/util.py": "from . import core\nfrom .core import f\n",
+    "asyncrl/high/__init__.py": "",
+    "asyncrl/high/run.py": "import asyncrl.low\nfrom asyncrl.low import f\nfrom ..low import util\n\n\n"
+                           "def g():\n    from asyncrl.high import run\n    return f, util, run\n",
+    "launch.py": "from asyncrl.high.run import g\n",
+}
+
+
+def _tree(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+def test_checker_passes_a_clean_tree(tmp_path):
+    root = _tree(tmp_path, CLEAN)
+    graph = layering.module_graph(root)
+    assert graph["asyncrl.high.run"] == {"asyncrl.low", "asyncrl.low.util"}
+    assert graph["asyncrl.low.util"] == {"asyncrl.low.core"} and graph["asyncrl.low"] == {"asyncrl.low.core"}
+    assert layering.violations(root, SYNTH_ALLOWED) == []
+
+
+@pytest.mark.parametrize("text", ["import asyncrl.high\n", "import asyncrl.high.run as r\n",
+                                  "from asyncrl import high\n"])
+def test_checker_catches_a_lazy_import_of_a_package(tmp_path, text):
+    """A package imported by its own name inside a function (the old checker stored packages as `X.__init__`)."""
+    body = "def h():\n" + "".join(f"    {line}\n" for line in text.splitlines()) + "    return 1\n"
+    root = _tree(tmp_path, {**CLEAN, "asyncrl/low/lazy.py": body})
+    bad = layering.violations(root, SYNTH_ALLOWED)
+    assert len(bad) == 1 and bad[0].startswith("asyncrl.low.lazy -> asyncrl.high"), bad
+
+
+@pytest.mark.parametrize("text", ["from ..high import run\n", "from ..high.run import g\n", "from .. import high\n"])
+def test_checker_catches_a_relative_import(tmp_path, text):
+    """A relative import up a layer (the old checker skipped every relative import)."""
+    root = _tree(tmp_path, {**CLEAN, "asyncrl/low/rel.py": text})
+    bad = layering.violations(root, SYNTH_ALLOWED)
+    assert len(bad) == 1 and bad[0].startswith("asyncrl.low.rel -> asyncrl.high"), bad
+
+
+def test_checker_catches_a_dynamic_import(tmp_path):
+    root = _tree(tmp_path, {**CLEAN, "asyncrl/low/dyn.py": "import importlib\n\n\n"
+                                                           "def h(x):\n    return importlib.import_module("
+                                                           "f'asyncrl.high.{x}')\n"})
+    assert layering.violations(root, SYNTH_ALLOWED) == ["asyncrl.low.dyn -> asyncrl.high"]
+
+
+def test_checker_catches_a_cycle_through_a_package_init(tmp_path):
+    """`low/__init__` imports `low.core`, which imports a name from `low` (its `__init__`): a loop that the old
+    checker missed, since it dropped every `__init__` before looking for cycles."""
+    root = _tree(tmp_path, {**CLEAN, "asyncrl/low/core.py": "from asyncrl.low import f as g\n\n\ndef f():\n"
+                                                            "    return g\n"})
+    assert layering.violations(root, SYNTH_ALLOWED) == ["cycle: asyncrl.low <-> asyncrl.low.core"]
+    root = _tree(tmp_path, {**CLEAN, "asyncrl/low/core.py": "from . import util\n\n\ndef f():\n    return util\n"})
+    assert layering.violations(root, SYNTH_ALLOWED) == ["cycle: asyncrl.low.core <-> asyncrl.low.util"]
+
+
+def test_checker_refuses_a_unit_missing_from_the_table_and_imports_in_the_root_package(tmp_path):
+    root = _tree(tmp_path, {**CLEAN, "asyncrl/extra.py": "", "asyncrl/__init__.py": "from asyncrl import low\n"})
+    assert layering.violations(root, SYNTH_ALLOWED) == [
+        "asyncrl -> asyncrl.low (the root package runs first for every import; it may import nothing)",
+        "asyncrl.extra: unit 'extra' is not in the table"]
 
 
 def test_no_module_over_400_lines_unless_its_docstring_says_why():

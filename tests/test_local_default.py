@@ -17,7 +17,8 @@ def test_local_default_learns(tmp_path):
     res = launch(run_dir, timeout=900)
     wall = time.time() - t0
     assert res.returncode == 0, res.stderr[-5000:]
-    evals = [(r.get("eval/at_step", r["step"]), r["eval/reward_mean"]) for r in rows(run_dir) if "eval/reward_mean" in r]
+    evals = [(r.get("eval/at_step", r["step"]), r["eval/reward_mean"]) for r in rows(run_dir)
+             if "eval/reward_mean" in r]
     before, after = evals[0][1], evals[-1][1]
     assert evals[0][0] == 0 and before <= 0.2, evals
     assert after >= 0.6, evals

@@ -101,14 +101,150 @@ def test_peft_loads_the_exported_adapter_onto_the_transformers_model(pair, targe
     err = np.abs(np.asarray(ours) - ref)[valid].max()
     assert err <= 1e-4, (kind, err)
     assert np.abs(ref - hf_logits(hf, toks, lens))[valid].max() > 1e-2  # peft applied the adapter
-    # And back: the PEFT tensors read into the same adapters.
-    from asyncrl.models.safetensors_io import SafetensorsFile
-
-    f = SafetensorsFile(str(tmp_path / "adapter" / "adapter_model.safetensors"))
-    back = lora.from_peft_tensors(model.cfg, {k: f.get(k) for k in f.keys()}, rank, targets)
+    # And back: the folder reads into the same adapters, rank, alpha and targets.
+    back = lora.load_peft_adapter(str(tmp_path / "adapter"), model.cfg)
+    assert (back.rank, back.alpha, back.targets, back.scale) == (rank, alpha, tuple(targets), alpha / rank)
     for name in ad:
         for side in ("a", "b"):
-            np.testing.assert_array_equal(back[name][side], np.asarray(ad[name][side]))
+            np.testing.assert_array_equal(back.adapters[name][side], np.asarray(ad[name][side]))
+
+
+PEFT_KIND = "qwen3_untied"  # head_dim 24 != hidden / heads: the heads dims must unflatten in HF's order
+
+
+@pytest.fixture(scope="module")
+def peft_written(tmp_path_factory):
+    """A tiny HF model and a LoRA adapter for it that `peft` itself writes (q, v, o and down; B made nonzero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("peft")
+    base = str(root / "base")
+    hf = save_hf_model(PEFT_KIND, base)
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=12, target_modules=["q_proj", "v_proj", "o_proj",
+                                                                                    "down_proj"]))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn_like(p))
+    peft_model.save_pretrained(str(root / "adapter"))
+    return base, str(root / "adapter")
+
+
+def _copy_adapter(src, dst, config=None, edit=None):
+    """A copy of the adapter folder with `config` merged into its adapter_config.json and `edit` applied to its
+    tensors (a dict of numpy arrays)."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config:
+        with open(f"{dst}/adapter_config.json") as f:
+            conf = json.load(f)
+        with open(f"{dst}/adapter_config.json", "w") as f:
+            json.dump({**conf, **config}, f)
+    if edit:
+        tensors = load_file(f"{dst}/adapter_model.safetensors")
+        edit(tensors)
+        save_file(tensors, f"{dst}/adapter_model.safetensors")
+    return str(dst)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_load_peft_adapter_reads_what_peft_writes(peft_written, rslora, tmp_path):
+    """Rank, alpha and targets come from adapter_config.json; the adapted logits match peft's own model."""
+    from peft import PeftModel
+
+    from tests.helpers import make_hf_model
+
+    base, adapter = peft_written
+    if rslora:  # alpha / sqrt(r): the same tensors, another scale
+        adapter = _copy_adapter(adapter, tmp_path / "rslora", config={"use_rslora": True})
+    model, params = from_pretrained(base)
+    got = lora.load_peft_adapter(adapter, model.cfg)
+    assert (got.rank, got.alpha, got.targets) == (4, 12.0, ("q", "v", "o", "down"))
+    assert got.scale == pytest.approx(12.0 / 2.0 if rslora else 12.0 / 4.0)
+    assert sorted(got.adapters) == ["w_down", "wo", "wq", "wv"]
+    toks, lens = ragged_batch(model.cfg.vocab_size, LENS, seed=6)
+    ours, _ = jax.jit(model.apply)(lora.attach(params, got.adapters, got.scale), jnp.asarray(toks),
+                                   jnp.asarray(lens))
+    ref = hf_logits(PeftModel.from_pretrained(make_hf_model(PEFT_KIND), adapter).eval(), toks, lens)
+    valid = np.arange(toks.shape[1])[None, :] < np.asarray(lens)[:, None]
+    err = np.abs(np.asarray(ours) - ref)[valid].max()
+    assert err <= 1e-4, err
+    assert np.abs(ref - hf_logits(make_hf_model(PEFT_KIND), toks, lens))[valid].max() > 1e-2  # the adapter matters
+
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+def _add(key, shape):
+    return lambda t: t.__setitem__(key, np.zeros(shape, np.float32))
+
+
+@pytest.mark.parametrize("config,edit,match", [
+    # a module the config does not target (peft would ignore it; we refuse rather than drop a trained tensor)
+    (None, _add("base_model.model.model.layers.1.mlp.up_proj.lora_A.weight", (4, 64)),
+     r"outside the targets \['down', 'o', 'q', 'v'\]: \['base_model\.model\.model\.layers\.1\.mlp\.up_proj"),
+    # names we cannot place: a DoRA magnitude, a layer past the model's, a module the model has not
+    (None, _add("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", (96,)),
+     r"unknown tensor names: \['base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_magnitude_vector'\]"),
+    (None, _add("base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight", (4, 64)),
+     r"unknown tensor names: \['base_model\.model\.model\.layers\.2\.self_attn\.q_proj\.lora_A\.weight'\]"),
+    (None, _add("base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight", (4, 64)),
+     r"unknown tensor names: .*qkv_proj"),
+    # A stored transposed: as many values, the wrong shape
+    (None, lambda t: t.__setitem__(Q_A, np.ascontiguousarray(t[Q_A].T)),
+     r"wrong shape: \['base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight \(64, 4\) "
+     r"\(expected \(4, 64\)\)'\]"),
+    (None, lambda t: t.pop("base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"),
+     r"missing tensors: \['base_model\.model\.model\.layers\.1\.self_attn\.v_proj\.lora_B\.weight'\]"),
+    # config options that change what the tensors mean, and targets we do not have
+    ({"use_dora": True}, None, r"use_dora=True is not supported"),
+    ({"rank_pattern": {"q_proj": 8}}, None, r"rank_pattern=\{'q_proj': 8\} is not supported"),
+    ({"target_modules": ["q_proj", "c_attn"]}, None, r"target_modules=\['q_proj', 'c_attn'\] is not supported"),
+    ({"target_modules": ["q_proj"]}, None, r"outside the targets \['q'\]"),
+    ({"r": 0}, None, r"r=0 is invalid"),
+])
+def test_load_peft_adapter_refuses_what_it_cannot_place(peft_written, tmp_path, config, edit, match):
+    base, adapter = peft_written
+    from asyncrl.models.config import ModelConfig
+
+    bad = _copy_adapter(adapter, tmp_path / "bad", config=config, edit=edit)
+    with pytest.raises(ValueError, match=match):
+        lora.load_peft_adapter(bad, ModelConfig.from_hf_folder(base))
+
+
+@pytest.mark.parametrize("rank,split", [(32, True), (8, False)])
+def test_adapters_under_fsdp_are_split_like_w_only_past_the_size_floor(rank, split):
+    """The README's statement: under FSDP (D split, the 10 MB default floor) the factor holding D (A of q, k, v,
+    gate, up; B of o, down) is split like W's when it is at least min_bytes_for_fsdp, else replicated, as is the
+    other factor always. Qwen3-8B: 18.9 MB factors at rank 32, 4.7 MB at rank 8. Shardings only: nothing is
+    allocated."""
+    from jax.sharding import PartitionSpec as P
+
+    from asyncrl.models import preset
+    from asyncrl.train.config import MeshConfig, ShardingConfig
+    from asyncrl.train.mesh import make_train_mesh, train_rules
+
+    mesh = make_train_mesh(MeshConfig(dp=1, fsdp=8, cp_ulysses=1))
+    cfg, sharding = preset("qwen3-8b"), ShardingConfig()
+    assert sharding.min_bytes_for_fsdp == 10_000_000 and sharding.fsdp_axis == "embed"
+    sh = lora.shardings(cfg, rank, ALL, mesh, train_rules(sharding))
+    holds_d = {"wq": "a", "wk": "a", "wv": "a", "w_gate": "a", "w_up": "a", "wo": "b", "w_down": "b"}
+    for f, side in holds_d.items():
+        d_dim = 1 if side == "a" else 2
+        want = [None] * len(sh[f][side].spec)
+        if split:
+            want[d_dim] = "fsdp"
+        assert sh[f][side].spec == P(*want), (f, side, sh[f][side].spec)
+        other = "b" if side == "a" else "a"
+        assert all(x is None for x in sh[f][other].spec), (f, other)
+    w = train_rules(sharding).spec(("layers", "embed", "heads", "head_dim"), nbytes=10**9)
+    assert w == P(None, "fsdp", None, None)  # W itself: D split
 
 
 def test_unknown_target_names_the_field():

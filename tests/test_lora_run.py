@@ -63,7 +63,8 @@ def test_lora_kill_and_resume_equals_uninterrupted(tmp_path, freeze_a):
     assert res.returncode == 0, res.stderr[-4000:]
     res = launch(resumed, *args, "run.max_restarts=1", env_extra={"ASYNCRL_FAULTS": "kill@step:0:7"})
     assert res.returncode == 0, res.stderr[-4000:]
-    assert [int(x) for x in re.findall(r"resuming .* from checkpoint step (\d+)", res.stderr)] == [6], res.stderr[-3000:]
+    resumed_at = [int(x) for x in re.findall(r"resuming .* from checkpoint step (\d+)", res.stderr)]
+    assert resumed_at == [6], res.stderr[-3000:]
     assert [x["step"] for x in rows(resumed)] == list(range(1, 10))
     for name in ("hf_adapter/adapter_model.safetensors", "hf/model.safetensors"):
         a, b = _tensors(os.path.join(straight, name)), _tensors(os.path.join(resumed, name))

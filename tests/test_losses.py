@@ -13,7 +13,18 @@ from omegaconf import OmegaConf
 from asyncrl.train.advantages import compute_advantages, keep_sequences, loss_weights, prepare_loss_inputs
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import finalize_metrics, reduce_metrics
-from asyncrl.train.registry import LOSSES, SHARED_FIELDS, LossSpec, get_loss, register_loss, validate
+from asyncrl.train.registry import (
+    ADVANTAGES,
+    LOSSES,
+    SHARED_FIELDS,
+    AdvantageSpec,
+    LossSpec,
+    get_advantage,
+    get_loss,
+    register_advantage,
+    register_loss,
+    validate,
+)
 
 LOSS_NAMES = sorted(LOSSES)
 
@@ -446,10 +457,41 @@ def test_registry():
         get_loss("ppo2")
     with pytest.raises(ValueError, match="already registered"):
         register_loss(get_loss("grpo"))
+    fields = {f.name for f in dataclasses.fields(LossConfig)}
     for spec in LOSSES.values():  # every entry says everything about its loss
-        assert isinstance(spec, LossSpec) and spec.advantage in ("group_std", "group_mean", "leave_one_out")
+        assert isinstance(spec, LossSpec) and spec.advantage in ADVANTAGES
         assert spec.normalization in ("seq_mean", "token_mean", "constant") and spec.source
-        assert set(spec.reads) <= {f.name for f in dataclasses.fields(LossConfig)} - set(SHARED_FIELDS) - {"name"}
+        assert set(spec.reads) <= fields - set(SHARED_FIELDS) - {"name"}
+        assert set(ADVANTAGES[spec.advantage].reads) <= set(spec.reads)
+    assert sorted(ADVANTAGES) == ["group_mean", "group_std", "leave_one_out"]
+    for est in ADVANTAGES.values():
+        assert isinstance(est, AdvantageSpec) and set(est.reads) <= fields and est.source
+    with pytest.raises(ValueError, match="unknown advantage estimator 'baseline'"):
+        get_advantage("baseline")
+    with pytest.raises(ValueError, match="already registered"):
+        register_advantage(get_advantage("group_std"))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'baseline'"):
+        register_loss(LossSpec("test_bad", get_loss("grpo").per_token, "baseline", "seq_mean", (), "a test"))
+    with pytest.raises(ValueError, match=r"'group_std' reads \['std_eps'\]"):
+        register_loss(LossSpec("test_bad", get_loss("grpo").per_token, "group_std", "seq_mean", (), "a test"))
+    assert "test_bad" not in LOSSES
+
+
+def test_a_new_advantage_estimator_is_one_registry_entry():
+    """Registering one AdvantageSpec is all a new estimator needs: a loss names it, and the step's advantages
+    follow (here the raw reward, REINFORCE without a baseline)."""
+    from asyncrl.train import losses
+
+    register_advantage(AdvantageSpec("test_raw", lambda r, g, cfg: r, (), "a test"))
+    register_loss(LossSpec("test_raw_loss", losses.ppo_clip, "test_raw", "seq_mean", ("epsilon_low", "epsilon_high"),
+                           "a test"))
+    try:
+        batch = make_batch()
+        got = compute_advantages(jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]),
+                                 LossConfig(name="test_raw_loss"))
+        np.testing.assert_array_equal(np.asarray(got), batch["rewards"].astype(np.float32))
+    finally:
+        del LOSSES["test_raw_loss"], ADVANTAGES["test_raw"]
 
 
 def test_a_new_loss_is_one_registry_entry():

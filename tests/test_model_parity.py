@@ -70,7 +70,8 @@ def test_prefill_then_decode_matches_full_forward(hf_pair):
     for t in range(n_decode):
         nxt = toks[rows, prompt_lens + t][:, None]
         logits, cache = step(params, jnp.asarray(nxt), jnp.ones(len(rows), jnp.int32), cache)
-        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[rows, prompt_lens + t], atol=1e-4, err_msg=f"{kind} step {t}")
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[rows, prompt_lens + t], atol=1e-4,
+                                   err_msg=f"{kind} step {t}")
     np.testing.assert_array_equal(np.asarray(cache.length), full_lens)
 
 

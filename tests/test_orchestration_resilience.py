@@ -15,8 +15,8 @@ import pytest
 from tests.helpers import ROOT, TINY, check_data_positions, kl_jumps, launch, rows
 
 pytestmark = pytest.mark.slow
-RESUME = [*TINY, "train.format_warmstart_steps=150", "train.total_steps=8", "async.max_lag=0", "checkpoint.every_n_steps=2", "checkpoint.export_hf=true",
-          "eval.every_n_steps=0", "run.seed=3"]
+RESUME = [*TINY, "train.format_warmstart_steps=150", "train.total_steps=8", "async.max_lag=0",
+          "checkpoint.every_n_steps=2", "checkpoint.export_hf=true", "eval.every_n_steps=0", "run.seed=3"]
 
 
 def _wait_for_step(run_dir, step, proc, timeout=400):
@@ -50,7 +50,8 @@ def test_resume_equals_uninterrupted(tmp_path):
     # The inference host sleeps 100 ms per decode chunk, so the SIGINT lands mid-run however fast the steps are
     # (at max_lag 0 the values do not depend on timing).
     env["ASYNCRL_FAULTS"] = "slow@decode:1:100"
-    proc = subprocess.Popen([sys.executable, "launch.py", f"run.run_dir={resumed}", "logging.ray_metrics=false", *RESUME],
+    proc = subprocess.Popen([sys.executable, "launch.py", f"run.run_dir={resumed}", "logging.ray_metrics=false",
+                             *RESUME],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     _wait_for_step(resumed, 4, proc)
     proc.send_signal(signal.SIGINT)  # the driver's job is killed; it must take its cluster down with it
@@ -61,7 +62,8 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert "resuming" in res.stderr
     assert [r["step"] for r in rows(resumed)] == list(range(1, 9))  # every step exactly once
     # Non-vacuous: the policy really moved (rewards vary, so GRPO gradients are non-zero).
-    assert any(r["rollout/reward_mean"] > 0 for r in rows(straight)) and any(r["train/grad_norm"] > 0 for r in rows(straight))
+    assert any(r["rollout/reward_mean"] > 0 for r in rows(straight))
+    assert any(r["train/grad_norm"] > 0 for r in rows(straight))
     a, b = _params(straight), _params(resumed)
     assert a.keys() == b.keys()
     for k in a:

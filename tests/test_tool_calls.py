@@ -13,6 +13,7 @@ from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.rollout import Turn
 from asyncrl.tools.calls import (
     PYTHON_TOOL,
+    TOOLS as REGISTERED,
     CallError,
     Llama31Format,
     Qwen3Format,
@@ -205,6 +206,15 @@ def test_too_many_calls_in_one_turn_get_an_error_each(qwen3):
         assert out[1][1] == "too_many_calls"
     finally:
         box.close()
+
+
+def test_the_tools_the_config_accepts_are_the_ones_episodes_offer(qwen3):
+    """One list of tools (`calls.TOOLS`): the config validates names against it and the toolbox takes specs from it."""
+    assert REGISTERED == {"python": PYTHON_TOOL}
+    box = Toolbox(ToolsConfig(tools=list(REGISTERED), require_kernel_sandbox=False), qwen3, chat=True)
+    assert box.tools == list(REGISTERED.values())
+    with pytest.raises(ValueError, match=r"tools\.tools\[1\]='shell'.*python"):
+        ToolsConfig(tools=["python", "shell"])
 
 
 def test_tool_metrics_count_calls_errors_latency_and_episodes():

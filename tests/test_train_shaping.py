@@ -57,8 +57,8 @@ def make_group(vocab: int = 128, prompt_len: int = 3) -> list[Rollout]:
                                     logprobs=np.where(forced, 0.0, np.log(rng.uniform(0.1, 0.9, n))).astype(np.float32),
                                     forced=forced, versions=np.zeros(n, np.int32), finish_reason=finish,
                                     reward=reward))
-        out.append(Rollout(prompt=Prompt(g, SimpleNamespace(id=str(g)), 4), prompt_tokens=rng.integers(1, vocab, prompt_len),
-                           completions=comps))
+        out.append(Rollout(prompt=Prompt(g, SimpleNamespace(id=str(g)), 4),
+                           prompt_tokens=rng.integers(1, vocab, prompt_len), completions=comps))
     return out
 
 

@@ -24,7 +24,8 @@ def test_targets_are_in_the_tasks_format_and_independent_of_the_prompt(tmp_path)
     samples = list(itertools.islice(gym.samples("train", 0), 64))
     examples = _examples(gym, tok, 64, seed=0, chat=True)
     completions = [[t for t, m in zip(ids, mask) if m] for ids, mask in examples]
-    assert all(ids[: mask.index(1)] == tok.encode_prompt(s.prompt, chat=True) for (ids, mask), s in zip(examples, samples))
+    assert all(ids[: mask.index(1)] == tok.encode_prompt(s.prompt, chat=True)
+               for (ids, mask), s in zip(examples, samples))
     targets = [tok.decode(c[:-1]) for c in completions]
     assert all(c[-1] == tok.eos_id for c in completions)
     assert all(t.startswith("\\boxed{") and t.endswith("}") for t in targets)

@@ -6,6 +6,8 @@ import random
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import pytest
 from asyncrl.models import params as params_lib, preset
 from asyncrl.weightsync import transfer
 from asyncrl.weightsync.transfer import plan_buckets
+from tests.helpers import raises_within
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_BYTES = 213_760  # the tiny preset in bf16 (checked below), so the bucket sizes mean what they say
@@ -240,3 +243,31 @@ def test_weights_are_matched_to_their_announced_version_not_to_their_order():
     lines = [next((ln for ln in out.splitlines() if ln.startswith(("ERROR", "RECEIVED"))), out[-2000:]) for out in outs]
     assert "weight sync v3" in lines[0] and "'weight_sync_v3_start'" in lines[0], lines[0]
     assert "weight sync v4" in lines[1] and "'weight_sync_v4_start'" in lines[1], lines[1]
+
+
+# ---- deadlines: a wedged sync and a dead sender are named, not waited on forever --------------------------------
+
+def test_a_wedged_weight_sync_names_the_waiting_trainer():
+    from asyncrl.weightsync.transfer import PendingSync
+
+    release = threading.Event()
+    pending = PendingSync(lambda: (release.wait(5), {})[1], "weight-sync-3")
+    with pytest.raises(TimeoutError, match=r"trainer0 waited 0.1s for its weight sync \(weight-sync-3, the hop chain"):
+        pending.wait(0.1, "trainer0")
+    release.set()
+    assert pending.wait(5) == {}
+
+
+def test_a_hop_receive_whose_sender_died_times_out_naming_the_bucket():
+    from asyncrl.weightsync.transfer import HopChainTransfer
+
+    class NeverArrives:
+        def block_until_ready(self):
+            time.sleep(3600)
+
+    hc = HopChainTransfer.__new__(HopChainTransfer)
+    hc.timeout_s, hc.on_event = 0.2, None
+    e = raises_within(lambda: hc._wait([NeverArrives()], "weight sync v7", 0, 1, 3), 10)
+    assert isinstance(e, TimeoutError) and "weight sync v7: hop 0 (slot 0 -> slot 1" in str(e) \
+        and "bucket 2/3 did not arrive within 0.2s (weightsync.timeout_s)" in str(e)
+

@@ -88,6 +88,7 @@ for round_ in range(2):  # two syncs: the second reuses the compiled hops and mu
         want_merged = jax.device_get(jax.jit(lambda a, b: params_lib.cast(lora.merge(b, a, lcfg.scale), jnp.bfloat16),
                                              device=jax.local_devices()[0])(ad, first["base"]))
         for got, want in zip(jax.tree.leaves(merged), jax.tree.leaves(want_merged)):
-            ok &= np.array_equal(np.asarray(got.addressable_shards[0].data).view(np.uint8), np.asarray(want).view(np.uint8))
+            ok &= np.array_equal(np.asarray(got.addressable_shards[0].data).view(np.uint8),
+                                 np.asarray(want).view(np.uint8))
     print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={bool(ok)} bytes={int(t['weight_sync_bytes'])} "
           f"buckets={int(t['weight_sync_buckets'])}", flush=True)

@@ -24,7 +24,7 @@ from typing import Any
 from asyncrl.envs.chat import ObservationRenderer
 from asyncrl.rollout import StepResult, Turn
 from asyncrl.tools.calls import (
-    PYTHON_TOOL,
+    TOOLS,
     CallError,
     Llama31Format,
     ToolCall,
@@ -34,7 +34,6 @@ from asyncrl.tools.calls import (
 )
 from asyncrl.tools.config import ToolsConfig
 
-SPECS = {"python": PYTHON_TOOL}
 RESULT_LOG_CHARS = 300  # of each result, kept in the step's info (rollouts.jsonl), for transcripts
 
 
@@ -44,7 +43,7 @@ class Toolbox:
 
     def __init__(self, cfg: ToolsConfig, tokenizer: Any, chat: bool) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.tools = [SPECS[name] for name in cfg.tools]
+        self.tools = [TOOLS[name] for name in cfg.tools]
         self.chat = chat and tokenizer.has_chat_template
         template = tokenizer.hf.chat_template if self.chat else None
         self.format = format_for(cfg.format, template)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from asyncrl.models.lora import LoraWeight, delta as lora_delta
+from asyncrl.models.lora import N_IN, LoraWeight, delta as lora_delta
 from asyncrl.models.params import unstack_layers
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -68,10 +68,6 @@ def einsum(eq: str, x: jax.Array, w: Any, **kw: Any) -> jax.Array:
     return dense(x, w, **kw) if isinstance(w, OutputMajor) else jnp.einsum(eq, x, w, **kw)
 
 
-# Contracted dims of each LayerParams matrix: wo [H, Dh, D] contracts (H, Dh); the others contract their first.
-_N_IN = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
-
-
 def cpu_decode_layer(layer: Any) -> Any:
     """A per-layer LayerParams with every matrix output-major (norm scales unchanged; a LoRA-adapted weight's
     base is transposed, its small adapters are not)."""
@@ -81,7 +77,7 @@ def cpu_decode_layer(layer: Any) -> Any:
             return dataclasses.replace(w, w=output_major(w.w, n_in))
         return output_major(w, n_in)
 
-    return type(layer)(**{f: one(getattr(layer, f), _N_IN[f]) if f in _N_IN else getattr(layer, f)
+    return type(layer)(**{f: one(getattr(layer, f), N_IN[f]) if f in N_IN else getattr(layer, f)
                           for f in layer.__dataclass_fields__})
 
 

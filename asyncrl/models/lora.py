@@ -9,12 +9,15 @@ step. `merge` folds them in (W + scale A B), once per weight sync, for the infer
 
 Adapters are a plain dict pytree, stacked over layers like the params: {"wq": {"a": [L, D, r], "b": [L, r, H, Dh]},
 ...}. Their logical axes are the base weight's on each side of "lora_rank" (never split: r is small), so one
-sharding table covers them: under FSDP A's D is split like W's, under tensor parallelism B's heads are.
+sharding table covers them, its size floor too: under FSDP the factor holding the split dim (D by default: A of
+q/k/v/gate/up, B of o/down) is split like W's only when it reaches `min_bytes_for_fsdp`; under tensor parallelism
+B's heads are.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import string
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +34,8 @@ from asyncrl.sharding.rules import ShardingRules, tree_shardings
 
 # Config names (PEFT's module names less "_proj") -> LayerParams fields, in the layer's order.
 TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
-# Contracted (input) dims of each base weight, after its leading [L]: wo [H, Dh, D] contracts (H, Dh).
+# Contracted (input) dims of each LayerParams matrix, after a stacked leading [L]: wo [H, Dh, D] contracts (H, Dh);
+# the others contract their first. (The CPU decode layout, `dense.cpu_decode_layer`, reads it too.)
 N_IN = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 # The torch module each field is in a Hugging Face Llama/Qwen3 model (PEFT's keys follow them).
 HF_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
@@ -205,26 +209,99 @@ def peft_tensors(cfg: ModelConfig, adapters: Adapters) -> dict[str, np.ndarray]:
     return out
 
 
+_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
+# adapter_config.json fields that would change what the tensors mean, and the value under which they do not.
+_PEFT_NEUTRAL = {"peft_type": "LORA", "use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
+                 "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "modules_to_save": None,
+                 "layer_replication": None, "target_parameters": None, "exclude_modules": None, "use_qalora": False,
+                 "trainable_token_indices": None}
+
+
 def from_peft_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], rank: int, targets: Any) -> Adapters:
-    """The inverse of `peft_tensors` (a missing or misshapen tensor raises naming it)."""
+    """The inverse of `peft_tensors`. Every tensor must be placed: one that is missing, has another shape than
+    its slot, belongs to a module outside `targets`, or has a name we do not know raises ValueError naming it."""
     specs = abstract(cfg, rank, targets)
-    out: Adapters = {}
-    for f, pair in specs.items():
-        a = np.zeros(pair["a"].shape, np.float32)
-        b = np.zeros(pair["b"].shape, np.float32)
-        for i in range(a.shape[0]):
-            key = f"base_model.model.model.layers.{i}.{HF_MODULES[f]}"
-            for name, dst, to_ours in (("lora_A", a, lambda t, s: t.T.reshape(s)),
-                                       ("lora_B", b, lambda t, s: t.T.reshape(s))):
-                full = f"{key}.{name}.weight"
-                if full not in tensors:
-                    raise KeyError(f"adapter tensor {full} is missing")
-                t = np.asarray(tensors[full], np.float32)
-                if t.size != int(np.prod(dst.shape[1:])):
-                    raise ValueError(f"adapter tensor {full}: shape {t.shape} does not fit {dst.shape[1:]}")
-                dst[i] = to_ours(t, dst.shape[1:])
-        out[f] = {"a": a, "b": b}
+    by_module = {m: f for f, m in HF_MODULES.items()}
+    out = {f: {"a": np.zeros(p["a"].shape, np.float32), "b": np.zeros(p["b"].shape, np.float32)}
+           for f, p in specs.items()}
+    unknown, outside, misshapen, placed = [], [], [], set()
+    for key in sorted(tensors):
+        m = _PEFT_KEY.fullmatch(key)
+        if m is None or int(m[1]) >= cfg.num_layers or m[2] not in by_module:
+            unknown.append(key)
+            continue
+        f, side = by_module[m[2]], m[3].lower()
+        if f not in out:
+            outside.append(key)
+            continue
+        dst = out[f][side]
+        in_dims, out_dims = dst.shape[1:-1], dst.shape[1:]
+        want = (rank, int(np.prod(in_dims))) if side == "a" else (int(np.prod(dst.shape[2:])), rank)
+        t = np.asarray(tensors[key], np.float32)
+        if t.shape != want:
+            misshapen.append(f"{key} {tuple(t.shape)} (expected {want})")
+            continue
+        dst[int(m[1])] = t.T.reshape(out_dims)
+        placed.add(key)
+    missing = [f"base_model.model.model.layers.{i}.{HF_MODULES[f]}.lora_{s}.weight" for f in out
+               for i in range(cfg.num_layers) for s in "AB"]
+    missing = [k for k in missing if k not in placed and k not in tensors]
+    problems = [(f"tensors outside the targets {sorted(targets)}", outside), ("unknown tensor names", unknown),
+                ("tensors of the wrong shape", misshapen), ("missing tensors", missing)]
+    problems = [f"{what}: {names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+                for what, names in problems if names]
+    if problems:
+        raise ValueError("PEFT adapter tensors cannot be placed on this model: " + "; ".join(problems))
     return out
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """A PEFT LoRA adapter as read by `load_peft_adapter`: the adapters and what `adapter_config.json` says."""
+
+    adapters: Adapters
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    """Config names (`TARGETS` keys: 'q', 'v', 'down', ...), in layer order."""
+    scale: float
+    """alpha / r, or alpha / sqrt(r) for an rsLoRA adapter: the `scale` of `attach` and `merge`."""
+
+
+def load_peft_adapter(path: str, cfg: ModelConfig) -> PeftAdapter:
+    """Read a PEFT LoRA adapter folder (`adapter_config.json` and `adapter_model.safetensors`, as
+    `PeftModel.save_pretrained` writes them) for a model of `cfg`. Rank, alpha and targets come from the config;
+    a config option that changes what the tensors mean (DoRA, per-module ranks, biases, ...) and every tensor that
+    cannot be placed (`from_peft_tensors`) raise ValueError naming them."""
+    import json
+    import os
+
+    from asyncrl.models.safetensors_io import SafetensorsFile
+
+    config_path = os.path.join(path, "adapter_config.json")
+    with open(config_path) as f:
+        conf = json.load(f)
+    for key, neutral in _PEFT_NEUTRAL.items():
+        value = conf.get(key, neutral)
+        if value != neutral and not (neutral in ({}, None, False) and not value):
+            raise ValueError(f"{config_path}: {key}={value!r} is not supported (only {key}={neutral!r})")
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in conf:
+            raise ValueError(f"{config_path}: {key} is missing")
+    rank, alpha, modules = conf["r"], float(conf["lora_alpha"]), conf["target_modules"]
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{config_path}: r={rank!r} is invalid: must be an integer >= 1")
+    by_proj = {HF_MODULES[f].split(".")[1]: t for t, f in TARGETS.items()}  # "q_proj" -> "q"
+    if modules == "all-linear":  # PEFT's shorthand: every linear layer of the decoder (never the LM head)
+        modules = list(by_proj)
+    if isinstance(modules, str) or not modules or [m for m in modules if m not in by_proj]:
+        raise ValueError(f"{config_path}: target_modules={modules!r} is not supported: must be a list of names from "
+                         f"{list(by_proj)} (or 'all-linear')")
+    targets = tuple(t for t in TARGETS if t in {by_proj[m] for m in modules})
+    f = SafetensorsFile(os.path.join(path, "adapter_model.safetensors"))
+    adapters = from_peft_tensors(cfg, {k: f.get(k) for k in f.keys()}, rank, targets)
+    scale = alpha / math.sqrt(rank) if conf.get("use_rslora", False) else alpha / rank
+    return PeftAdapter(adapters, rank, alpha, targets, scale)
 
 
 def save_peft(folder: str, cfg: ModelConfig, adapters: Adapters, rank: int, alpha: float,

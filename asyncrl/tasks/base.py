@@ -11,9 +11,9 @@ import abc
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
-Prompt = Union[str, list]
+Prompt = str | list
 """Plain text, or chat messages as a list of {"role": ..., "content": ...} dicts."""
 
 SPLITS = ("train", "eval")
@@ -103,7 +103,9 @@ class Task(abc.ABC):
         return {self.environment}
 
     def warmup(self) -> None:
-        """Pay one-time import/compile costs (a verifier worker calls this before taking work)."""
+        """Pay one-time import/compile costs (a verifier worker calls this before taking work). An optional hook,
+        not an abstract one: most tasks have nothing to warm up, so the default does nothing."""
+        return None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

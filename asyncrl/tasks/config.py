@@ -53,8 +53,8 @@ class TaskSourceConfig:
         check(f"{where}.weight", self.weight, self.weight > 0, "> 0")
         check_choice(f"{where}.split", self.split, SOURCE_SPLITS)
         if self.environment is not None:  # the name is checked against the registered ones when the run starts
-            check(f"{where}.environment", self.environment, isinstance(self.environment, str) and bool(self.environment),
-                  "an environment name, e.g. 'tools'")
+            check(f"{where}.environment", self.environment,
+                  isinstance(self.environment, str) and bool(self.environment), "an environment name, e.g. 'tools'")
         if self.schema is not None:
             check_choice(f"{where}.schema", self.schema, MATH_FILE_SCHEMAS)
         for key, column in self.field_map.items():

@@ -129,15 +129,15 @@ def _answer_tag(text: str) -> str | None:
 
 def _answer_line(text: str) -> str | None:
     last = None
-    for last in _ANSWER_LINE.finditer(text):
-        pass
+    for match in _ANSWER_LINE.finditer(text):  # the last one
+        last = match
     return last.group(1) if last is not None else None
 
 
 def _final_answer(text: str) -> str | None:
     last = None
-    for last in _FINAL_ANSWER.finditer(text):
-        pass
+    for match in _FINAL_ANSWER.finditer(text):  # the last one
+        last = match
     if last is None:
         return None
     end = text.find("\n", last.end())

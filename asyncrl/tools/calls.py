@@ -46,6 +46,9 @@ PYTHON_TOOL = ToolSpec(
      "required": ["code"]},
 )
 
+TOOLS: dict[str, ToolSpec] = {t.name: t for t in (PYTHON_TOOL,)}
+"""The one list of tools: what `tools.tools` may name (`ToolsConfig`), and the specs episodes offer (`Toolbox`)."""
+
 
 @dataclass(frozen=True)
 class ToolCall:

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from asyncrl.tools.calls import TOOLS
 from asyncrl.validate import check, check_choice
 
-TOOL_NAMES = ("python",)
 TOOL_FORMATS = ("auto", "qwen3", "llama3.1")
 
 
 @dataclass(frozen=True)
 class ToolsConfig:
     tools: list[str] = field(default_factory=lambda: ["python"])
-    """The tools offered to the model (their schemas go through `apply_chat_template(..., tools=...)`)."""
+    """The tools offered to the model, by name in `asyncrl.tools.calls.TOOLS` (their schemas go through
+    `apply_chat_template(..., tools=...)`)."""
     format: str = "auto"
     """How calls are written: 'qwen3' (<tool_call> JSON), 'llama3.1' (<|python_tag|> and JSON calls), or 'auto':
     the one the chat template writes (Qwen3's for a template that writes none, with the tools in the prompt)."""
@@ -42,7 +43,7 @@ class ToolsConfig:
     def validate(self, where: str = "tools") -> None:
         check(f"{where}.tools", list(self.tools), len(self.tools) > 0, "at least one tool")
         for i, name in enumerate(self.tools):
-            check_choice(f"{where}.tools[{i}]", name, TOOL_NAMES)
+            check_choice(f"{where}.tools[{i}]", name, tuple(TOOLS))
         check_choice(f"{where}.format", self.format, TOOL_FORMATS)
         check(f"{where}.workers", self.workers, self.workers >= 1, ">= 1")
         check(f"{where}.wall_s", self.wall_s, self.wall_s > 0, "> 0")

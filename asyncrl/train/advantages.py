@@ -4,7 +4,8 @@ Groups and normalisers must not depend on how the batch is split into micro-batc
 is `sum(weights * per_token_objective)`, so with weights normalised over a batch the sum of its micro-batch
 losses (and gradients) equals the batch loss.
 
-Each loss names its estimator and its default normalisation in its registry entry (`registry.py`):
+Each loss names its estimator (registered in `registry.ADVANTAGES`, computed in `estimators.py`) and its default
+normalisation in its registry entry (`registry.py`):
 
 | estimator     | advantage                        |   | normalisation | weight of a kept token                       |
 |---------------|----------------------------------|---|---------------|----------------------------------------------|
@@ -22,11 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from asyncrl.train.estimators import same_group
 from asyncrl.train.loss_config import LossConfig
-from asyncrl.train.registry import get_loss
-
-ESTIMATORS = ("group_std", "group_mean", "leave_one_out")
-"""The advantage estimators a registry entry (`registry.LossSpec.advantage`) may name."""
+from asyncrl.train.registry import get_advantage, get_loss
 
 
 def normalization(cfg: LossConfig) -> str:
@@ -42,43 +41,17 @@ def check_normalizer(cfg: LossConfig) -> None:
                          "else inference.max_seq_len)")
 
 
-def _same_group(group_ids: jax.Array) -> jax.Array:
-    # A [B, B] comparison instead of segment sums: ids need not be dense, and B (sequences per step) is small.
-    return group_ids[:, None] == group_ids[None, :]  # [B, B]
-
-
-def group_stats(rewards: jax.Array, group_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per sequence, the (mean, unbiased std, size) of its group's rewards; each [B]."""
-    rewards = rewards.astype(jnp.float32)
-    same = _same_group(group_ids).astype(jnp.float32)  # [B, B]
-    # Elementwise sums, not `same @ rewards`: a TPU f32 matmul at default precision rounds through bf16.
-    size = jnp.sum(same, axis=1)
-    mean = jnp.sum(same * rewards[None, :], axis=1) / size
-    sq = jnp.sum(same * (rewards[None, :] - mean[:, None]) ** 2, axis=1)
-    std = jnp.sqrt(sq / jnp.maximum(size - 1.0, 1.0))
-    return mean, std, size
-
-
 def compute_advantages(rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig) -> jax.Array:
-    """Sequence advantages [B] from rewards [B] and group ids [B] (sequences sampled from the same prompt)."""
-    rewards = rewards.astype(jnp.float32)
-    mean, std, size = group_stats(rewards, group_ids)
-    estimator = get_loss(cfg.name).advantage
-    if estimator == "group_std":
-        return (rewards - mean) / (std + cfg.std_eps)
-    if estimator == "group_mean":
-        return rewards - mean
-    if estimator != "leave_one_out":
-        raise ValueError(f"loss {cfg.name!r} names advantage estimator {estimator!r}; known: {list(ESTIMATORS)}")
-    # Leave-one-out: r - mean of the others == G / (G - 1) * (r - mean); a singleton group has no baseline.
-    return jnp.where(size > 1, (rewards - mean) * size / jnp.maximum(size - 1.0, 1.0), 0.0)
+    """Sequence advantages [B] from rewards [B] and group ids [B] (sequences sampled from the same prompt), by the
+    estimator the loss's registry entry names (`registry.ADVANTAGES`)."""
+    return get_advantage(get_loss(cfg.name).advantage)(rewards, group_ids, cfg)
 
 
 def keep_sequences(rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig) -> jax.Array:
     """[B] bool: False for sequences of equal-reward groups when `cfg.filter_zero_variance`, else all True."""
     if not cfg.filter_zero_variance:
         return jnp.ones(rewards.shape, bool)
-    same = _same_group(group_ids)
+    same = same_group(group_ids)
     hi = jnp.max(jnp.where(same, rewards[None, :], -jnp.inf), axis=1)
     lo = jnp.min(jnp.where(same, rewards[None, :], jnp.inf), axis=1)
     return hi > lo

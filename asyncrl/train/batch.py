@@ -75,7 +75,7 @@ def build_batch(rollouts: Sequence[Rollout], loss_cfg: LossConfig, pad_to_multip
     if not rollouts:
         raise ValueError("build_batch needs at least one rollout")
     rows = [(r, c) for r in rollouts for c in r.completions]
-    for r, c in rows:
+    for r in rollouts:
         if len(r.prompt_tokens) < 1:
             raise ValueError(f"rollout of {r.prompt.id} (data position {r.prompt.position}) has an empty prompt: "
                              "the first completion token would have no context to be scored in")

@@ -25,8 +25,8 @@ class MeshConfig:
         for k in ("dp", "fsdp", "cp_ulysses"):
             v = getattr(self, k)
             check(f"sharding.mesh.{k}", v, v == -1 or v >= 1, ">= 1 or -1 (the rest)")
-        sizes = [self.dp, self.fsdp, self.cp_ulysses]
-        check("sharding.mesh", tuple(sizes), sizes.count(-1) <= 1, "at most one axis set to -1")
+        axes = (self.dp, self.fsdp, self.cp_ulysses)
+        check("sharding.mesh", axes, list(axes).count(-1) <= 1, "at most one axis set to -1")
 
     def resolve(self, n_devices: int) -> tuple[int, int, int]:
         sizes = [self.dp, self.fsdp, self.cp_ulysses]
@@ -83,8 +83,8 @@ class LoraConfig:
         check("train.lora.rank", self.rank, self.rank >= 0, ">= 0")
         check("train.lora.alpha", self.alpha, self.alpha > 0, "> 0")
         bad = [t for t in self.targets if t not in LORA_TARGETS]
-        check("train.lora.targets", list(self.targets), not bad and len(self.targets) > 0 and
-              len(set(self.targets)) == len(self.targets),
+        check("train.lora.targets", list(self.targets),
+              not bad and len(self.targets) > 0 and len(set(self.targets)) == len(self.targets),
               f"a non-empty list of distinct names from {list(LORA_TARGETS)}")
 
     @property

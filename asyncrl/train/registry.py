@@ -1,9 +1,13 @@
-"""The loss registry: one entry per `loss.name`, holding everything about that loss. Its per-token objective, its
-advantage estimator, its default token normalisation, the config fields it reads, where it comes from, and any
-check of its own. The config validates `loss.name` against it, the step reads it, and the tests check the presets
-in `configs/loss/` and the README's table against it. Adding a loss is one `register_loss` call.
+"""The training registries, one per concept, each entry holding everything about its item.
 
-| name        | objective (losses.py)          | advantage (advantages.py)  | normalisation |
+- Advantage estimators (`ADVANTAGES`): one entry per estimator name, with its function (`estimators.py`), the
+  config fields it reads and where it comes from. Adding one is one `register_advantage` call.
+- Losses (`LOSSES`): one entry per `loss.name`. Its per-token objective, its advantage estimator (a name in
+  `ADVANTAGES`), its default token normalisation, the config fields it reads, where it comes from, and any check of
+  its own. The config validates `loss.name` against it, the step reads it, and the tests check the presets in
+  `configs/loss/` and the README's table against it. Adding a loss is one `register_loss` call.
+
+| name        | objective (losses.py)          | advantage (estimators.py)  | normalisation |
 |-------------|--------------------------------|----------------------------|---------------|
 | grpo        | ppo_clip                       | group_std                  | seq_mean      |
 | dapo        | ppo_clip (clip-higher)         | group_std                  | token_mean    |
@@ -20,14 +24,56 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
-from asyncrl.train import losses
+from asyncrl.train import estimators, losses
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.validate import ConfigError
 
 SHARED_FIELDS = ("kl_coef", "is_mode", "is_level", "tis_cap", "is_mask_low", "is_mask_high", "normalization",
                  "max_tokens", "filter_zero_variance", "overlong_buffer", "overlong_penalty", "overlong_filter")
 """Fields every loss reads: the KL term, the rollout correction, the batch normalisation and the reward shaping."""
+
+
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """Everything about one advantage estimator. Calling it gives the sequence advantages: `(rewards [B],
+    group_ids [B], cfg) -> [B]` (fp32), from the group statistics (`estimators.group_stats`)."""
+
+    name: str
+    fn: Callable[[jax.Array, estimators.GroupStats, LossConfig], jax.Array]
+    """`(rewards [B] fp32, group stats, cfg) -> advantages [B]` (`estimators.group_std`, ...)."""
+    reads: tuple[str, ...]
+    """The LossConfig fields it reads; a loss naming it lists them in its own `reads`."""
+    source: str
+    """Where it is defined."""
+
+    def __call__(self, rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig) -> jax.Array:
+        rewards = rewards.astype(jnp.float32)
+        return self.fn(rewards, estimators.group_stats(rewards, group_ids), cfg)
+
+
+ADVANTAGES: dict[str, AdvantageSpec] = {}
+
+
+def register_advantage(spec: AdvantageSpec) -> AdvantageSpec:
+    """Register an advantage estimator under `spec.name` (what a LossSpec's `advantage` names)."""
+    if spec.name in ADVANTAGES:
+        raise ValueError(f"advantage estimator {spec.name!r} is already registered")
+    ADVANTAGES[spec.name] = spec
+    return spec
+
+
+def get_advantage(name: str) -> AdvantageSpec:
+    if name not in ADVANTAGES:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGES)}")
+    return ADVANTAGES[name]
+
+
+register_advantage(AdvantageSpec("group_std", estimators.group_std, ("std_eps",), "GRPO (Shao et al. 2024)"))
+register_advantage(AdvantageSpec("group_mean", estimators.group_mean, (), "Dr. GRPO (Liu et al. 2025)"))
+register_advantage(AdvantageSpec("leave_one_out", estimators.leave_one_out, (),
+                                 "RLOO (Kool et al. 2019; Ahmadian et al. 2024)"))
 
 
 @dataclass(frozen=True)
@@ -39,7 +85,7 @@ class LossSpec:
     per_token: Callable[[LossConfig], losses.PerToken]
     """The objective per token, built from the config (`losses.ppo_clip`, `cispo`, `gspo`, `gspo_token`)."""
     advantage: str
-    """Its advantage estimator: a key of `advantages.ESTIMATORS`."""
+    """Its advantage estimator: a name in `ADVANTAGES` (checked on registration)."""
     normalization: str
     """Its default token normalisation (`loss.normalization` overrides it): seq_mean, token_mean or constant."""
     reads: tuple[str, ...]
@@ -60,9 +106,15 @@ LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(spec: LossSpec) -> LossSpec:
-    """Register a loss under `spec.name` (the value of `loss.name`)."""
+    """Register a loss under `spec.name` (the value of `loss.name`); its advantage estimator must be registered,
+    and the fields that estimator reads must be among the loss's."""
     if spec.name in LOSSES:
         raise ValueError(f"loss {spec.name!r} is already registered")
+    estimator = get_advantage(spec.advantage)
+    missing = [f for f in estimator.reads if f not in spec.reads]
+    if missing:
+        raise ValueError(f"loss {spec.name!r}: its advantage estimator {spec.advantage!r} reads {missing}, which "
+                         "its `reads` must list")
     LOSSES[spec.name] = spec
     return spec
 
