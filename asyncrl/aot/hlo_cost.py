@@ -36,8 +36,9 @@ What is counted, per execution:
 - `collective_bytes`: per kind, the payload of each collective: the larger of its input and output bytes,
   i.e. the whole buffer gathered, reduced or exchanged. A ring moves about (n-1)/n of it per chip for
   all-gather and reduce-scatter and twice that for all-reduce. An async pair (`all-gather-start` and
-  `-done`) counts once, at the -done; one pipelined across loop iterations counts only its result. TPU fuses reduce-scatter as an all-reduce whose result each chip dynamic-slices
-  (a kCustom fusion); that is reported as reduce-scatter.
+  `-done`) counts once, at the -done; one pipelined across loop iterations counts only its result. TPU fuses
+  reduce-scatter as an all-reduce whose result each chip dynamic-slices (a kCustom fusion); that is reported as
+  reduce-scatter.
 
 Against `cost_analysis()["bytes accessed"]` (the tests measure it): on a loop-free program whose arguments
 stay in HBM the two agree exactly. Where XLA prefetches an argument into VMEM before the program runs

@@ -204,19 +204,24 @@ def roofline(
     chips_per_host: int | None = None,
     chip_hbm_bytes: float | None = None,
 ) -> RooflineResult:
-    """Split `chips` between training and inference so that neither side waits (blog notation: P, K, T, B_d, lambda, C, M, A)."""
+    """Split `chips` between training and inference so that neither side waits (blog notation: P, K, T, B_d,
+    lambda, C, M, A)."""
     _check("params", params, params > 0, "> 0")
     _check("kv_bytes_per_token", kv_bytes_per_token, kv_bytes_per_token > 0, "> 0")
     _check("seq_len", seq_len, isinstance(seq_len, numbers.Integral) and seq_len >= 1, "integer >= 1")
-    _check("decode_batch", decode_batch, isinstance(decode_batch, numbers.Integral) and decode_batch >= 1, "integer >= 1")
+    _check("decode_batch", decode_batch, isinstance(decode_batch, numbers.Integral) and decode_batch >= 1,
+           "integer >= 1")
     _check("rollout_fraction", rollout_fraction, 0 < rollout_fraction <= 1, "0 < rollout_fraction <= 1")
     _check("chip_flops", chip_flops, chip_flops > 0, "> 0")
     _check("chip_bandwidth", chip_bandwidth, chip_bandwidth > 0, "> 0")
-    _check("chips", chips, isinstance(chips, numbers.Integral) and chips >= 2, "integer >= 2 (at least one train and one inference chip)")
+    _check("chips", chips, isinstance(chips, numbers.Integral) and chips >= 2,
+           "integer >= 2 (at least one train and one inference chip)")
     if chips_per_host is not None:
-        _check("chips_per_host", chips_per_host, isinstance(chips_per_host, numbers.Integral) and chips_per_host >= 1, "integer >= 1")
+        _check("chips_per_host", chips_per_host,
+               isinstance(chips_per_host, numbers.Integral) and chips_per_host >= 1, "integer >= 1")
         if chips % chips_per_host:
-            raise RooflineError("chips", f"chips={chips} is not a whole number of hosts of chips_per_host={chips_per_host}")
+            raise RooflineError("chips",
+                                f"chips={chips} is not a whole number of hosts of chips_per_host={chips_per_host}")
     if chip_hbm_bytes is not None:
         _check("chip_hbm_bytes", chip_hbm_bytes, chip_hbm_bytes > 0, "> 0")
 

@@ -4,9 +4,9 @@
         [--max-new-tokens N] [--n K] [--seed S] [--chat] [--max-decode-batch-size B]
 
 Input rows are {"prompt": str} or {"tokens": [int]} (other keys are kept). Output rows, in input order, add
-"tokens" (generated ids only, with a sampled EOS; the EOS forced at the length limit is left out), "text" and "logprobs"; with
---n K > 1 these are lists of K. A bad input row is reported on stderr with its line number and written as
-{"line": n, "error": ...} so no other row is lost; the exit code is then 1.
+"tokens" (generated ids only, with a sampled EOS; the EOS forced at the length limit is left out), "text" and
+"logprobs"; with --n K > 1 these are lists of K. A bad input row is reported on stderr with its line number and
+written as {"line": n, "error": ...} so no other row is lost; the exit code is then 1.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from asyncrl.rollout import Prompt
 
     tokenizer = None
-    if os.path.isfile(os.path.join(args.model, "tokenizer.json")) or os.path.isfile(os.path.join(args.model, "tokenizer_config.json")):
+    if any(os.path.isfile(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = Tokenizer.from_folder(args.model)
     model, params = from_pretrained(args.model, dtype=args.dtype)
     rows = read_rows(args.prompts, tokenizer, args.chat)
@@ -94,7 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         if r.error:
             print(f"bad row: {r.error}", file=sys.stderr)
-    eos = tokenizer.eos_id if tokenizer is not None else (model.cfg.eos_token_ids[0] if model.cfg.eos_token_ids else None)
+    if tokenizer is not None:
+        eos = tokenizer.eos_id
+    else:
+        eos = model.cfg.eos_token_ids[0] if model.cfg.eos_token_ids else None
     if eos is None:
         print("error: no EOS id: the model folder has no tokenizer and config.json no eos_token_id", file=sys.stderr)
         return 2

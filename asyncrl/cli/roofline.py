@@ -35,8 +35,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Split chips between trainer and inference with the blog's roofline model "
         "(r = lambda C/(6M) (K T/P + 2/B_d), train share = 1/(1+r)). Explicit flags override presets.",
     )
-    p.add_argument("--model", help="model preset from asyncrl.models.config.PRESETS; fills --params and --kv-bytes-per-token")
-    p.add_argument("--chip", help=f"chip preset, one of {sorted(CHIPS)}; fills --chip-flops, --chip-bandwidth, --chip-hbm, --chips-per-host")
+    p.add_argument("--model",
+                   help="model preset from asyncrl.models.config.PRESETS; fills --params and --kv-bytes-per-token")
+    p.add_argument("--chip", help=f"chip preset, one of {sorted(CHIPS)}; fills --chip-flops, --chip-bandwidth, "
+                   "--chip-hbm, --chips-per-host")
     p.add_argument("--params", type=float, help="P: parameter count, e.g. 8e9")
     p.add_argument("--kv-bytes-per-token", type=float, help="K: KV-cache bytes per token over all layers")
     p.add_argument("--kv-bytes-per-value", type=int, default=2, help="KV element size used with --model (2 = bf16)")
@@ -48,8 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chip-hbm", type=float, help="HBM bytes per chip, to check that B_d fits (optional)")
     p.add_argument("--chips", type=int, help="A: total chips in the slice")
     p.add_argument("--chips-per-host", type=int, help="chips per host, for the host split (async.train_workers)")
-    p.add_argument("--from-aot", metavar="FILE", help="use the compiled per-step figures that `launch.py aot --out FILE` "
-                   "wrote (train step and decode roofline times) instead of the formulas; --rollout-fraction "
+    p.add_argument("--from-aot", metavar="FILE",
+                   help="use the compiled per-step figures that `launch.py aot --out FILE` wrote (train step and "
+                   "decode roofline times) instead of the formulas; --rollout-fraction "
                    "defaults to 0.5, --chips to the whole slice")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p

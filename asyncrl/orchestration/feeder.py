@@ -15,8 +15,9 @@ use come back one version too stale and are dropped for lag (DAPO's own oversamp
 max_lag >= 1 the trainer carries them to the next step.
 
 Resume. `state()` records the next new position, the dropped count, the positions released but not yet
-consumed, and the zero-variance share (so DAPO's oversampling does not restart cold). `restore()` puts those in-flight positions first in line: a resumed run generates them again, with the
-same per-position seeds, so nothing is skipped and nothing is trained twice, whatever `max_lag` is.
+consumed, and the zero-variance share (so DAPO's oversampling does not restart cold). `restore()` puts those
+in-flight positions first in line: a resumed run generates them again, with the same per-position seeds, so
+nothing is skipped and nothing is trained twice, whatever `max_lag` is.
 
 No Ray here: `put(item, timeout)` and `samples()` are plain callables, so the logic is tested in-process.
 """
