@@ -172,7 +172,9 @@ def check_templates(folder: str, samples: list) -> dict[str, Any]:
     for smp in samples:
         a = ours.encode_prompt(smp.prompt)
         b = hf.apply_chat_template(smp.prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
-        same += list(a) == list(b["input_ids"])
+        ids = b["input_ids"]
+        ids = ids[0] if ids and isinstance(ids[0], list) else ids
+        same += list(a) == list(ids)
     return {"prompts": len(samples), "identical_token_ids": same}
 
 
@@ -270,7 +272,11 @@ def run_trl(s: dict[str, Any], cfg: Any, task: Any, train: list, folder: str, ou
     wall = time.perf_counter() - t0
     trainer.save_model(os.path.join(out_dir, f"checkpoint-{s['steps']}"))  # the final weights (if not saved)
     tok.save_pretrained(os.path.join(out_dir, f"checkpoint-{s['steps']}"))
+    import accelerate
+    import datasets
+
     versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+                "datasets": datasets.__version__, "accelerate": accelerate.__version__,
                 "torch_threads": torch.get_num_threads()}
     np.savez(os.path.join(out_dir, "first_batch.npz"), rewards=np.asarray(rec["first_rewards"], np.float32),
              **rec["first_batch"])
@@ -311,9 +317,9 @@ def equivalence(s: dict[str, Any], cfg: Any, folder: str, batch_file: str, trl_r
     loss_cfg = cfg.loss  # the preset's grpo loss with std_eps 1e-4 and max_tokens from max_new_tokens
     # On-policy at max_lag 0 with one update: the sampler's logprobs are the trainer's own (TRL: old = sg(lp)).
     lp = np.zeros((B, T), np.float32)
+    logprobs = jax.jit(lambda p, t, n: token_logprobs(model, p, t, n, temp, chunk)[0])
     for i in range(0, B, mb):
-        out, _ = jax.jit(token_logprobs, static_argnums=(0, 4, 5))(model, params, tokens[i:i + mb], lens[i:i + mb],
-                                                                   temp, chunk)
+        out = logprobs(params, tokens[i:i + mb], lens[i:i + mb])
         lp[i:i + mb, 1:] = np.where(mask[i:i + mb, 1:], np.asarray(out), 0.0)
     batch = RLBatch(tokens=tokens, sampler_logprobs=lp, seq_lens=lens, rewards=b["rewards"],
                     group_ids=(np.arange(B) // G).astype(np.int32), loss_mask=mask,
@@ -346,7 +352,11 @@ def equivalence(s: dict[str, Any], cfg: Any, folder: str, batch_file: str, trl_r
 # asyncrl.
 
 
-def run_asyncrl(s: dict[str, Any], run_dir: str, max_lag: int, export: bool) -> dict[str, Any]:
+def run_asyncrl(s: dict[str, Any], run_dir: str, max_lag: int, export: bool, resume: bool) -> dict[str, Any]:
+    saved = os.path.join(run_dir, "vs_trl_run.json")
+    if resume and os.path.isfile(saved):
+        with open(saved) as f:
+            return json.load(f)
     if os.path.exists(run_dir):
         shutil.rmtree(run_dir)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
@@ -379,14 +389,18 @@ def run_asyncrl(s: dict[str, Any], run_dir: str, max_lag: int, export: bool) -> 
     # The final step's eval is recorded twice (the round launched at it, and the final eval): keep the first.
     seen: set[int] = set()
     evals = [e for e in evals if not (e["step"] in seen or seen.add(e["step"]))]
-    return {"steps": steps, "evals": evals, "wall_s": wall, "run_dir": run_dir}
+    out = {"steps": steps, "evals": evals, "wall_s": wall, "run_dir": run_dir}
+    with open(saved, "w") as f:
+        json.dump(out, f)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The offline eval (TRL's checkpoints, and the lag-0 export as the cross-check): asyncrl's engine.
 
 
-def offline_eval(s: dict[str, Any], task: Any, evals: list, folder: str, work: str, tag: str) -> float:
+def offline_eval(s: dict[str, Any], task: Any, evals: list, folder: str, work: str, tag: str,
+                 resume: bool = False) -> float:
     prompts = os.path.join(work, "eval_prompts.jsonl")
     with open(prompts, "w") as f:
         for i, smp in enumerate(evals):
@@ -396,7 +410,8 @@ def offline_eval(s: dict[str, Any], task: Any, evals: list, folder: str, work: s
     cmd = [sys.executable, "-m", "asyncrl.generate", "--model", folder, "--prompts", prompts, "--out", out,
            "--temperature", str(s["temperature"]), "--n", str(s["eval_samples"]), "--max-new-tokens",
            str(s["max_new_tokens"]), "--seed", str(s["seed"]), "--chat", "--max-decode-batch-size", "32"]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL) if not (
+        resume and os.path.isfile(out)) else subprocess.CompletedProcess(cmd, 0)
     if res.returncode != 0:
         raise SystemExit(f"python -m asyncrl.generate on {folder} exited with {res.returncode}")
     per_prompt = []
@@ -531,6 +546,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threshold", type=float, default=None,
                     help="eval reward to time; default: the lowest of the three runs' best evals")
     ap.add_argument("--work-dir", default=str(ROOT / "runs" / "vs-trl"))
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the runs and evals already in --work-dir (after a later stage failed)")
     ap.add_argument("--smoke", action="store_true",
                     help="2 steps, 8 eval prompts x 2, 2 prompts x 4 per step, 32 tokens: checks the pipeline only")
     args = ap.parse_args(argv)
@@ -554,8 +571,15 @@ def main(argv: list[str]) -> int:
           f"{res['chat_template_check']}", file=sys.stderr, flush=True)
 
     trl_dir = os.path.join(args.work_dir, "trl")
-    shutil.rmtree(trl_dir, ignore_errors=True)
-    trl_res = run_trl(s, cfg, task, train, folder, trl_dir)
+    saved = os.path.join(trl_dir, "vs_trl_run.json")
+    if args.resume and os.path.isfile(saved):
+        with open(saved) as f:
+            trl_res = json.load(f)
+    else:
+        shutil.rmtree(trl_dir, ignore_errors=True)
+        trl_res = run_trl(s, cfg, task, train, folder, trl_dir)
+        with open(saved, "w") as f:
+            json.dump(trl_res, f)
     res["versions"] = {**trl_res.pop("versions")}
     res["equivalence"] = equivalence(s, cfg, folder, os.path.join(trl_dir, "first_batch.npz"), trl_res)
     print(f"equivalence: {res['equivalence']}", file=sys.stderr, flush=True)
@@ -565,24 +589,25 @@ def main(argv: list[str]) -> int:
         t += st["step_time_s"]
         elapsed[st["step"]] = t
     trl_evals = [{"step": 0, "elapsed_s": 0.0,
-                  "reward": offline_eval(s, task, evals, folder, args.work_dir, "base")}]
+                  "reward": offline_eval(s, task, evals, folder, args.work_dir, "base", args.resume)}]
     for step in range(s["eval_every"], s["steps"] + 1, s["eval_every"]):
         ck = os.path.join(trl_dir, f"checkpoint-{step}")
         trl_evals.append({"step": step, "elapsed_s": elapsed[step],
-                          "reward": offline_eval(s, task, evals, ck, args.work_dir, f"trl_{step}")})
+                          "reward": offline_eval(s, task, evals, ck, args.work_dir, f"trl_{step}", args.resume)})
     if trl_evals[-1]["step"] != s["steps"]:
         ck = os.path.join(trl_dir, f"checkpoint-{s['steps']}")
         trl_evals.append({"step": s["steps"], "elapsed_s": elapsed[s["steps"]],
-                          "reward": offline_eval(s, task, evals, ck, args.work_dir, f"trl_{s['steps']}")})
+                          "reward": offline_eval(s, task, evals, ck, args.work_dir, f"trl_{s['steps']}", args.resume)})
     res["trl"] = {**trl_res, "evals": trl_evals}
 
     for lag in (0, 1):
         res[f"asyncrl_lag{lag}"] = run_asyncrl(s, os.path.join(args.work_dir, f"asyncrl_lag{lag}"), lag,
-                                               export=lag == 0)
+                                               export=lag == 0, resume=args.resume)
     lag0 = res["asyncrl_lag0"]
     res["eval_path_check"] = {
         "in_run": lag0["evals"][-1]["reward"],
-        "offline": offline_eval(s, task, evals, os.path.join(lag0["run_dir"], "hf"), args.work_dir, "lag0_final")}
+        "offline": offline_eval(s, task, evals, os.path.join(lag0["run_dir"], "hf"), args.work_dir, "lag0_final",
+                                args.resume)}
     import jax
 
     res["versions"] |= {"asyncrl_jax": jax.__version__, "asyncrl_commit": subprocess.run(
