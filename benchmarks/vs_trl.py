@@ -75,7 +75,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"steps": args.steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
             "lr": args.lr, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "micro_batch": args.micro_batch, "eval_every": args.eval_every, "eval_prompts": args.eval_prompts,
-            "eval_samples": args.eval_samples, "seed": args.seed}
+            "eval_samples": args.eval_samples, "seed": args.seed, "torch_threads": args.torch_threads}
 
 
 def asyncrl_overrides(s: dict[str, Any], run_dir: str, max_lag: int) -> list[str]:
@@ -259,6 +259,8 @@ def run_trl(s: dict[str, Any], cfg: Any, task: Any, train: list, folder: str, ou
                                          "reward": float(logs.get("reward", float("nan")))})
 
     torch.manual_seed(s["seed"])
+    if s.get("torch_threads"):  # under load, 2 OpenMP threads can be several times slower than 1 (README: decode)
+        torch.set_num_threads(s["torch_threads"])
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     args = trl.GRPOConfig(
@@ -623,6 +625,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--micro-batch", type=int, default=8, help="TRL's per_device_train_batch_size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="TRL's torch threads (default: torch's choice, in the JSON); try 1 and 2 on a 2-core box")
     ap.add_argument("--threshold", type=float, default=None,
                     help="eval reward to time; default: the lowest of the three runs' best evals")
     ap.add_argument("--work-dir", default=str(ROOT / "runs" / "vs-trl"))
