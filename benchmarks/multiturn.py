@@ -63,19 +63,18 @@ def run(engine: Engine, make_requests: Callable[[int, int], list[Request]], seco
     prompt is always waiting for a free slot, as in a run whose feeder never runs dry; the drain, where the last
     episodes wait on their environments with nothing to replace them, is only in the whole-run figures."""
     s0 = dict(vars(engine.stats))
-    s0["extra"] = dict(engine.stats.extra)
     t0 = time.perf_counter()
     out, fed, marks = [], 0, []
     while time.perf_counter() - t0 < seconds:
         out += engine.generate(make_requests(fed, engine.P), drain=False)
         fed += engine.P
-        marks.append((time.perf_counter() - t0, {**vars(engine.stats), **engine.stats.extra}))
+        marks.append((time.perf_counter() - t0, dict(vars(engine.stats))))
     w0 = next((t, st) for t, st in marks if t >= warm_s)
     w1 = marks[-1]
     out += engine.generate([], drain=True)
     wall = time.perf_counter() - t0
     s, B = vars(engine.stats), engine.B
-    fed_all = engine.stats.extra.get("fed_tokens", 0) - s0["extra"].get("fed_tokens", 0)
+    fed_all = engine.stats.fed_tokens - s0["fed_tokens"]
     generated = s["slot_steps"] - s0["slot_steps"] - fed_all  # sampled tokens
     span = max(w1[0] - w0[0], 1e-9)
     steady = {k: w1[1].get(k, 0) - w0[1].get(k, 0) for k in (

@@ -75,7 +75,7 @@ def _feed_config(cfg, path, obs):
 
 
 def _check_feed_path(eng, path):
-    fed, extended = eng.stats.extra.get("fed_tokens", 0), eng.stats.extend_time
+    fed, extended = eng.stats.fed_tokens, eng.stats.extend_time
     assert (fed > 0) == (path in ("decode", "mixed")) and (extended > 0) == (path in ("extend", "mixed"))
 
 
@@ -135,7 +135,7 @@ def test_multi_turn_trajectories_stay_exact_on_a_dp_x_tp_replica(model_params, t
             assert c.n_turns == 3 and c.end_reason == "done"
             lp = _teacher_forced(model, params, r.prompt_tokens, c, BASE.temperature)
             np.testing.assert_allclose(c.logprobs[~c.forced], lp[~c.forced], atol=1e-4)
-    assert eng.stats.extra["park_time"] > 0 and eng.stats.parked_full == 0
+    assert eng.stats.park_time > 0 and eng.stats.parked_full == 0
     _check_feed_path(eng, path)
 
 
@@ -391,10 +391,10 @@ def test_continuations_do_not_wait_while_the_park_store_is_nearly_full(model_par
     eng._ready = [Continuation(group, k, feed, park=k) for k in range(2)]
     eng._free_park = [r for r in range(eng.Q) if r >= 2][: eng.P]  # exactly P free: room to wait
     eng._launch_ready()
-    assert "extend_calls" not in eng.stats.extra and len(eng._ready) == 2
+    assert eng.stats.extend_calls == 0 and len(eng._ready) == 2
     eng._free_park.pop()  # one fewer than P free: they go now
     eng._launch_ready()
-    assert eng.stats.extra["extend_calls"] == 1 and eng.stats.extra["extend_rows"] == 2 and not eng._ready
+    assert eng.stats.extend_calls == 1 and eng.stats.extend_rows == 2 and not eng._ready
     assert sorted(eng._free_park)[:2] == [0, 1]  # their park rows are free again
 
 
@@ -415,22 +415,22 @@ def test_continuations_left_after_a_full_extend_wait_for_their_own_batch(model_p
     eng._free_park = [r for r in eng._free_park if r >= 6]
     eng._in_flight = eng.B  # every slot busy: waiting costs no decode step
     eng._launch_ready()
-    assert eng.stats.extra["extend_calls"] == 1 and eng.stats.extra["extend_rows"] == eng.P == 4
+    assert eng.stats.extend_calls == 1 and eng.stats.extend_rows == eng.P == 4
     assert [c.k for c in eng._ready] == [4, 5] and len(eng._queue) == 4  # the two left over wait
     eng._launch_ready()  # nothing new: they go on waiting
-    assert eng.stats.extra["extend_calls"] == 1 and len(eng._ready) == 2
+    assert eng.stats.extend_calls == 1 and len(eng._ready) == 2
     for c in eng._ready:
         c.ready_at -= 31.0  # their wait is up
     eng._launch_ready()
-    assert eng.stats.extra["extend_calls"] == 2 and eng.stats.extra["extend_rows"] == 6 and not eng._ready
-    assert sorted(t[2][1] for t in eng._queue) == list(range(6))  # each continuation queued once
+    assert eng.stats.extend_calls == 2 and eng.stats.extend_rows == 6 and not eng._ready
+    assert sorted(q.target.k for q in eng._queue) == list(range(6))  # each continuation queued once
 
 
 def test_short_continuations_go_into_the_decode_batch_at_once_and_long_ones_through_extend(model_params, tok):
     """A continuation of at most decode_feed_tokens tokens is queued ahead of new prompts at once, holding its park
     row until a decode call takes its cache (no extend, no wait, even with every slot busy); a longer one waits to
     share an extend."""
-    from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
+    from asyncrl.inference.episodes import Continuation, Episode, Fed, Group, Queued, Target
     from asyncrl.rollout import Rollout
 
     model, params = model_params
@@ -442,14 +442,14 @@ def test_short_continuations_go_into_the_decode_batch_at_once_and_long_ones_thro
     prompt = np.asarray(tok.encode("3 1 4>"), np.int32)
     group = Group(Rollout(prompt=Prompt(0, None, 3), prompt_tokens=prompt),
                   [Episode(None, len(prompt)) for _ in range(3)])
-    eng._queue.append(("a prompt row", 0, (group, 2)))
+    eng._queue.append(Queued("a prompt row", 0, Target(group, 2)))
     eng._in_flight = eng.B  # every slot busy
     eng._ready = [Continuation(group, 0, short, park=0), Continuation(group, 1, long, park=1)]
     eng._free_park = [r for r in eng._free_park if r >= 2]
     eng._launch_ready()
-    assert "extend_calls" not in eng.stats.extra and [c.k for c in eng._ready] == [1]  # the long one waits
-    head, p, target = eng._queue[0]
-    assert isinstance(head, Fed) and head.park == 0 and target == (group, 0) and len(eng._queue) == 2
+    assert eng.stats.extend_calls == 0 and [c.k for c in eng._ready] == [1]  # the long one waits
+    head, p, target = eng._queue[0].source, eng._queue[0].row, eng._queue[0].target
+    assert isinstance(head, Fed) and head.park == 0 and target == Target(group, 0) and len(eng._queue) == 2
     np.testing.assert_array_equal(head.feed, short)
     assert 0 not in eng._free_park  # held until a decode call takes it
     assert group.episodes[0].parts[-1].observation  # recorded now; its versions come from the row

@@ -29,8 +29,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor, wait as wait_futures
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.config import InferenceConfig
-from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
+from asyncrl.inference.episodes import Continuation, Episode, Fed, Group, Queued, Stepping, Target
 from asyncrl.inference.layout import cpu_decode_layout
 from asyncrl.inference.programs import DecodePrograms
 from asyncrl.inference.state import DecodeState, FinishedRow, unpack_row
@@ -92,9 +92,13 @@ class EngineStats:
     env_time: float = 0.0  # seconds environments spent in their steps (on worker threads)
     parked_full: int = 0  # continuations whose cache did not fit the park store (re-prefilled)
     slot_steps: int = 0  # decode steps x rows live in them (occupancy: slot_steps / (decode_steps x batch)); the
-    # row-steps that fed an observation token rather than sampling one are extra["fed_tokens"]
+    # row-steps that fed an observation token rather than sampling one are `fed_tokens`
     slot_time: float = 0.0  # decode seconds x rows live in them
-    extra: dict = field(default_factory=dict)
+    fed_tokens: int = 0  # observation tokens fed by decode steps (multi-turn continuations)
+    park_time: float = 0.0  # seconds of park calls (a row's cache into the park store)
+    extend_calls: int = 0
+    extend_rows: int = 0  # continuations extended (over extend_calls: rows a call)
+    detokenize_time: float = 0.0  # seconds collecting finished rows on the host (detokenizing them)
 
 
 class Engine(EpisodeDriver, DecodePrograms):
@@ -126,12 +130,11 @@ class Engine(EpisodeDriver, DecodePrograms):
         self.between_loops: Callable[[], None] = lambda: None
         self.stats = EngineStats()
         self._slot_counter = 0
-        self._slots: dict[int, tuple[Group, int]] = {}
+        self._slots: dict[int, Target] = {}
         self._in_flight = 0
         self._state: DecodeState | None = None
-        # (prefill batch, its row, target), or (Fed, -, target) for a continuation that decode steps feed
-        self._queue: collections.deque[tuple[DecodeState | Fed, int, tuple[Group, int]]] = collections.deque()
-        self._stepping: list[tuple[Future, Group, int, int, bool]] = []  # (step, group, sample, park row, last)
+        self._queue: collections.deque[Queued] = collections.deque()
+        self._stepping: list[Stepping] = []
         self._ready: list[Continuation] = []
         self._park: Any = None
         self._free_park: list[int] = list(range(self.Q))[::-1]
@@ -237,7 +240,7 @@ class Engine(EpisodeDriver, DecodePrograms):
                     raise ValueError(f"request for {r.prompt.id}: {len(envs)} environments for {n} samples")
                 rollout = Rollout(prompt=r.prompt, prompt_tokens=np.asarray(r.tokens, np.int32), worker=self.name)
                 g = Group(rollout, [Episode(env, len(r.tokens)) for env in envs])
-                self._queue.extend((prefill, i, (g, k)) for k in range(n))
+                self._queue.extend(Queued(prefill, i, Target(g, k)) for k in range(n))
             self._pump()
         if drain:
             while self.busy:
@@ -273,7 +276,7 @@ class Engine(EpisodeDriver, DecodePrograms):
         elif self._in_flight > 0 and self._state is not None:
             self._call(None, -1, None)
         elif self._stepping:
-            wait_futures([s[0] for s in self._stepping], timeout=0.02, return_when="FIRST_COMPLETED")
+            wait_futures([s.future for s in self._stepping], timeout=0.02, return_when="FIRST_COMPLETED")
             self._poll_env()
 
     def _pump(self) -> None:
@@ -281,11 +284,11 @@ class Engine(EpisodeDriver, DecodePrograms):
         while self._queue:
             self._poll_env()
             self._launch_ready()
-            state, p, target = self._queue.popleft()
-            while not self._call(state, p, target):  # a chunk ended before a row was free: decode on
+            q = self._queue.popleft()
+            while not self._call(q.source, q.row, q.target):  # a chunk ended before a row was free: decode on
                 self._poll_env()
 
-    def _call(self, prefill: DecodeState | Fed | None, p: int, target: tuple[Group, int] | None) -> bool:
+    def _call(self, prefill: DecodeState | Fed | None, p: int, target: Target | None) -> bool:
         """One decode chunk; returns whether `target` was inserted (always True without a target). A row that came
         out is collected at once: its environment steps (and its group can be emitted) while decoding goes on;
         holding it until the current prompt batch is all inserted would make it a straggler."""
@@ -308,7 +311,7 @@ class Engine(EpisodeDriver, DecodePrograms):
         if prefill is None:
             prefill = self._dummy_prefill()
         t0 = time.perf_counter()
-        uid, k = (target[0].rollout.prompt.uid, target[1]) if target is not None else (0, 0)
+        uid, k = (target.group.rollout.prompt.uid, target.k) if target is not None else (0, 0)
         scalars = (np.int32(-1 if defer else p), np.int32(slot), np.int32(version), np.uint32(uid & 0xFFFFFFFF),
                    np.int32(k), np.int32(self.cfg.decode_chunk_steps), np.bool_(bool(self._queue)),
                    np.int32(fed.park if fed is not None else -1), feed, np.int32(len(fed.feed) if fed else 0))
@@ -330,20 +333,19 @@ class Engine(EpisodeDriver, DecodePrograms):
             del self._slots[slot]
         if fed is not None and not defer and bool(inserted):  # its cache is in a decode row now
             self._release(fed.park)
-            self.stats.extra["fed_tokens"] = self.stats.extra.get("fed_tokens", 0) + len(fed.feed) - 1
+            self.stats.fed_tokens += len(fed.feed) - 1
         self._in_flight += int(bool(inserted))
         if int(out_slot) >= 0:  # a finished row came out
             self._in_flight -= 1
             park_at = -1
-            group, k = self._slots[int(out_slot)]
-            ep = group.episodes[k]
+            ep = self._slots[int(out_slot)].episode
             # Its cache to the park store while its environment steps, unless no turn can follow this one.
             if self.Q and self._free_park and ep.env is not None and ep.turn + 1 < self.cfg.max_turns:
                 park_at = self._free_park.pop()
                 t1 = time.perf_counter()
                 self._park = self._run(self._park_prog, row.row, np.int32(park_at),
                                        device=(self._state.kv, self._park))
-                self.stats.extra["park_time"] = self.stats.extra.get("park_time", 0.0) + time.perf_counter() - t1
+                self.stats.park_time += time.perf_counter() - t1
             self._collect(row, park_at)
         return target is None or (not defer and bool(inserted))
 
@@ -356,33 +358,27 @@ class Engine(EpisodeDriver, DecodePrograms):
         """A finished row (on the host already, `park` the park row its cache went to or -1): a model turn of its
         episode, handed to the episode's environment (or, with none, the end of it)."""
         t0 = time.perf_counter()
-        group, k = self._slots.pop(int(r.slot))
-        ep = group.episodes[k]
+        target = self._slots.pop(int(r.slot))
+        ep = target.episode
         pl, n = int(r.prompt_len), int(r.length)
         toks = np.asarray(r.tokens[pl:n], np.int32)
         text = self.tokenizer.decode(toks[:-1] if len(toks) and toks[-1] == self.eos_id else toks) \
             if self.tokenizer else ""
         finish = "length" if bool(r.hit_length) else ("stop" if self._ends_with_stop(toks) else "eos")
-        if ep.turn == 0:
-            ep.prompt_version = int(r.versions[0])
-        elif ep.parts and ep.parts[-1].observation:
-            # The observation sits just before this turn's tokens; the row holds the version of the weights that
-            # took it in (the extend's or prefill's, or each decode step's that fed a token).
-            obs = ep.parts[-1]
-            obs.versions = np.asarray(r.versions[pl - len(obs.tokens):pl], np.int32)
         ep.add_turn(toks, np.asarray(r.logprobs[pl:n], np.float32), np.asarray(r.forced[pl:n], bool),
-                    np.asarray(r.versions[pl:n], np.int32), text, finish, bool(r.end_of_think))
+                    np.asarray(r.versions[pl:n], np.int32), text, finish, bool(r.end_of_think),
+                    context_versions=r.versions[:pl])
         self.stats.finished += 1
         self.stats.generated_tokens += len(toks)
         if ep.env is None:
             self._release(park)
             ep.end(None)
-            self._maybe_emit(group)
+            self._maybe_emit(target.group)
         else:
             last = ep.turn >= self.cfg.max_turns or n >= self.S - 1
             turn = Turn(toks, text, ep.turn - 1, finish, last)
-            self._stepping.append((self._step(ep, turn), group, k, park, last))
-        self.stats.extra["detokenize_time"] = self.stats.extra.get("detokenize_time", 0.0) + time.perf_counter() - t0
+            self._stepping.append(Stepping(self._step(ep, turn), target, park, last))
+        self.stats.detokenize_time += time.perf_counter() - t0
         self._poll_env()
 
     def _ends_with_stop(self, toks: np.ndarray) -> bool:

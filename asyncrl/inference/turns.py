@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
+from asyncrl.inference.episodes import Continuation, Episode, Fed, Group, Queued
 from asyncrl.rollout import StepResult, Turn
 
 log = logging.getLogger(__name__)
@@ -40,15 +40,14 @@ class EpisodeDriver:
     def _poll_env(self) -> None:
         """Take the environments' answers that have come: end an episode, or ready its next turn."""
         still = []
-        for entry in self._stepping:
-            future, group, k, park, last = entry
-            if not future.done():
-                still.append(entry)
+        for s in self._stepping:
+            if not s.future.done():
+                still.append(s)
                 continue
-            ep = group.episodes[k]
+            group, k, ep = s.target.group, s.target.k, s.target.episode
             self.stats.env_steps += 1
             try:
-                res, dt = future.result()
+                res, dt = s.future.result()
                 ep.env_s += dt
                 self.stats.env_time += dt
             except Exception as e:  # noqa: BLE001 - an environment's failure ends its episode, never the run
@@ -57,12 +56,12 @@ class EpisodeDriver:
                 res = StepResult(None, 0.0, True, reason="env_error", info={"error": repr(e)})
             if res.info:
                 ep.env_info.append(res.info)
-            end = self._end_reason(ep, res, last)
+            end = self._end_reason(ep, res, s.last)
             if end is None:
                 feed = np.concatenate([ep.parts[-1].tokens[-1:], np.asarray(res.observation, np.int32)])
-                self._ready.append(Continuation(group, k, feed, park))
+                self._ready.append(Continuation(group, k, feed, s.park))
             else:
-                self._release(park)
+                self._release(s.park)
                 ep.end(res, end)
                 self._maybe_emit(group)
         self._stepping = still
@@ -107,12 +106,10 @@ class EpisodeDriver:
         short = [c.park >= 0 and len(c.feed) <= self.cfg.decode_feed_tokens for c in self._ready]
         fed = [c for c, s in zip(self._ready, short) if s]
         if fed:
-            with self._lock:
-                version = self.version
             self._ready = [c for c, s in zip(self._ready, short) if not s]
             for c in fed:
-                c.group.episodes[c.k].add_observation(c.feed[1:], version)  # versions: the row's, at `_collect`
-            self._queue.extendleft(reversed([(Fed(c.park, c.feed), -1, (c.group, c.k)) for c in fed]))
+                c.target.episode.add_observation(c.feed[1:])
+            self._queue.extendleft(reversed([Queued(Fed(c.park, c.feed), -1, c.target) for c in fed]))
         while self._ready:
             if len(self._ready) < self.P and (self._queue or self._in_flight >= self.B) \
                     and len(self._free_park) >= self.P \
@@ -128,19 +125,19 @@ class EpisodeDriver:
                 state = self._extend_parked(params, version, [c.park for c in parked], [c.feed for c in parked])
                 jax.block_until_ready(state.kv)
                 self.stats.extend_time += time.perf_counter() - t0
-                self.stats.extra["extend_calls"] = self.stats.extra.get("extend_calls", 0) + 1
-                self.stats.extra["extend_rows"] = self.stats.extra.get("extend_rows", 0) + len(parked)
+                self.stats.extend_calls += 1
+                self.stats.extend_rows += len(parked)
                 for i, c in enumerate(parked):
-                    c.group.episodes[c.k].add_observation(c.feed[1:], version)
+                    c.target.episode.add_observation(c.feed[1:])
                     self._release(c.park)
-                    entries.append((state, i, (c.group, c.k)))
+                    entries.append(Queued(state, i, c.target))
             rest = [c for c in batch if c.park < 0]
             if rest:
                 self.stats.parked_full += len(rest)
                 for c in rest:
-                    c.group.episodes[c.k].add_observation(c.feed[1:], version)
-                state = self.prefill([c.group.episodes[c.k].history(c.group.rollout.prompt_tokens) for c in rest])
-                entries += [(state, i, (c.group, c.k)) for i, c in enumerate(rest)]
+                    c.target.episode.add_observation(c.feed[1:])
+                state = self.prefill([c.target.episode.history(c.group.rollout.prompt_tokens) for c in rest])
+                entries += [Queued(state, i, c.target) for i, c in enumerate(rest)]
             self._queue.extendleft(reversed(entries))
 
     def _extend_parked(self, params: Any, version: int, parks: Sequence[int], feeds: Sequence[np.ndarray]) -> Any:
