@@ -165,7 +165,7 @@ def main() -> int:
     feed = np.asarray([1] + obs, np.int32)
     t0 = time.perf_counter()
     for n in sorted({multi.extend_rows(n) for n in range(1, multi.P + 1)}):
-        jax.block_until_ready(multi._extend_parked(multi.params, 0, list(range(n)), [feed] * n).kv)
+        jax.block_until_ready(multi.store.extend(multi.params, 0, list(range(n)), [feed] * n).kv)
     print(f"extend programs compiled in {time.perf_counter() - t0:.1f} s")
     # Pairs, in ABBA order: this machine's speed drifts by 10-15% from minute to minute (other tenants), and a ratio
     # taken from one multi-turn run and one single-turn run a minute later carries that drift.

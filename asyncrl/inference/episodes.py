@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.inference.state import DecodeState
 from asyncrl.rollout import Completion, Environment, Rollout, StepResult
 
 
@@ -164,7 +165,7 @@ class Queued:
     """A sample waiting for a decode slot: row `row` of a prefill or extend batch (`source`, a `DecodeState`), or a
     continuation fed from its park row (`source`, a `Fed`; `row` unused)."""
 
-    source: Any
+    source: DecodeState | Fed
     row: int
     target: Target
 
