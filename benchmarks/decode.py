@@ -454,7 +454,7 @@ def spmd_substitution(m: Loaded, batch: int, sequences: int, max_new: int, eos_i
         def fill_round(n: int) -> float:
             t = time.perf_counter()
             eng.generate(reqs[:n], drain=False)
-            jax.block_until_ready(eng._state)
+            jax.block_until_ready(eng.scheduler.state)
             ms = 1000 * (time.perf_counter() - t)
             eng.generate([], drain=True)
             return ms

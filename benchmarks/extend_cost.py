@@ -3,7 +3,7 @@ step of the full batch (the baseline, measured in the same run), on the model of
 
 The table says where an extend's time goes: a fixed part (every weight read once, as a decode step does) and a
 part per computed token (padding included: a padded row or column costs what a real one does). It is what the
-extend buckets are sized from (`inference/lowering.py`: widths from 4, rows in rungs of 1, 2, 3, 4, 6, 8, ...).
+extend buckets are sized from (`inference/layout.py`: widths from 4, rows in rungs of 1, 2, 3, 4, 6, 8, ...).
 
     python benchmarks/extend_cost.py [--model small|tiny] [--reps 20]
 
@@ -59,21 +59,22 @@ def main() -> int:
                            params_dtype="float32", kv_cache_dtype="float32", min_prefill_bucket=16, max_seq_len=192,
                            max_turns=3, max_new_tokens=None, max_parked_rows=64)
     engine = Engine(model, params, icfg, None, eos_id=-1, seed=0)  # no EOS: rows never stop in the baseline
-    engine._state, engine._park = engine._new_state(), engine._new_park()
+    sched, store = engine.scheduler, engine.store
+    sched.state, store.kv = engine.programs.new_state(), engine.parking.new_store()
 
     # Baseline: one decode step of the full batch (32 live rows), in a call of its own as the engine makes it.
     prefill = engine.prefill([[1, 2, 3, 4, 5]] * engine.P)
     for i in range(engine.B):
-        engine._state, _ = engine._run(engine._decode, np.int32(i % engine.P), np.int32(i), np.int32(0),
-                                       np.uint32(i), np.int32(0), np.int32(0), np.bool_(False),
-                                       np.int32(-1), np.zeros((engine.F,), np.int32), np.int32(0),
-                                       device=(engine.params, engine._state, prefill, engine._park))
+        sched.state, _ = engine.layout.run(engine.programs.decode, np.int32(i % engine.P), np.int32(i), np.int32(0),
+                                           np.uint32(i), np.int32(0), np.int32(0), np.bool_(False),
+                                           np.int32(-1), np.zeros((engine.F,), np.int32), np.int32(0),
+                                           device=(engine.params, sched.state, prefill, store.kv))
 
     def decode_step() -> None:
-        engine._state, row = engine._run(engine._decode, np.int32(-1), np.int32(-1), np.int32(0),
-                                         np.uint32(0), np.int32(0), np.int32(1), np.bool_(False),
-                                         np.int32(-1), np.zeros((engine.F,), np.int32), np.int32(0),
-                                         device=(engine.params, engine._state, prefill, engine._park))
+        sched.state, row = engine.layout.run(engine.programs.decode, np.int32(-1), np.int32(-1), np.int32(0),
+                                             np.uint32(0), np.int32(0), np.int32(1), np.bool_(False),
+                                             np.int32(-1), np.zeros((engine.F,), np.int32), np.int32(0),
+                                             device=(engine.params, sched.state, prefill, store.kv))
         jax.device_get(row)
 
     decode_ms = median_ms(decode_step, args.reps)
@@ -83,7 +84,7 @@ def main() -> int:
             feeds = [np.ones((width + 1,), np.int32)] * rows  # + the last token, passed beside the padded feed
 
             def extend() -> None:
-                jax.block_until_ready(engine._extend_parked(engine.params, 0, list(range(rows)), feeds).kv)
+                jax.block_until_ready(store.extend(engine.params, 0, list(range(rows)), feeds).kv)
 
             rows_out.append({"rows": rows, "width": width, "tokens": rows * width, "ms": median_ms(extend, args.reps)})
     # Least squares: ms = fixed + per_token x tokens.

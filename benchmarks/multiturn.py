@@ -64,19 +64,18 @@ def run(engine: Engine, make_requests: Callable[[int, int], list[Request]], seco
     prompt is always waiting for a free slot, as in a run whose feeder never runs dry; the drain, where the last
     episodes wait on their environments with nothing to replace them, is only in the whole-run figures."""
     s0 = dict(vars(engine.stats))
-    s0["extra"] = dict(engine.stats.extra)
     t0 = time.perf_counter()
     out, fed, marks = [], 0, []
     while time.perf_counter() - t0 < seconds:
         out += engine.generate(make_requests(fed, engine.P), drain=False)
         fed += engine.P
-        marks.append((time.perf_counter() - t0, {**vars(engine.stats), **engine.stats.extra}))
+        marks.append((time.perf_counter() - t0, dict(vars(engine.stats))))
     w0 = next((t, st) for t, st in marks if t >= warm_s)
     w1 = marks[-1]
     out += engine.generate([], drain=True)
     wall = time.perf_counter() - t0
     s, B = vars(engine.stats), engine.B
-    fed_all = engine.stats.extra.get("fed_tokens", 0) - s0["extra"].get("fed_tokens", 0)
+    fed_all = engine.stats.fed_tokens - s0["fed_tokens"]
     generated = s["slot_steps"] - s0["slot_steps"] - fed_all  # sampled tokens
     span = max(w1[0] - w0[0], 1e-9)
     steady = {k: w1[1].get(k, 0) - w0[1].get(k, 0) for k in (
@@ -167,7 +166,7 @@ def main() -> int:
     feed = np.asarray([1] + obs, np.int32)
     t0 = time.perf_counter()
     for n in sorted({multi.extend_rows(n) for n in range(1, multi.P + 1)}):
-        jax.block_until_ready(multi._extend_parked(multi.params, 0, list(range(n)), [feed] * n).kv)
+        jax.block_until_ready(multi.store.extend(multi.params, 0, list(range(n)), [feed] * n).kv)
     print(f"extend programs compiled in {time.perf_counter() - t0:.1f} s")
     # Pairs, in ABBA order: this machine's speed drifts by 10-15% from minute to minute (other tenants), and a ratio
     # taken from one multi-turn run and one single-turn run a minute later carries that drift.

@@ -95,7 +95,7 @@ def test_replica_set_builds_abstractly_and_matches_the_real_state():
     e.lower_decode().compile()
     e.lower_prefill(16).compile()
     assert not {id(a) for a in jax.live_arrays()} - live
-    real = e._new_state()
+    real = e.programs.new_state()
     for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
         assert (a.shape, a.dtype) == (r.shape, r.dtype)
         assert a.sharding.is_equivalent_to(r.sharding, len(a.shape))

@@ -93,12 +93,12 @@ def test_a_prefill_through_flash_writes_the_cache_the_reference_writes():
 
 def test_prefill_attention_is_flash_on_tpu_only_unless_forced():
     from asyncrl.inference.config import InferenceConfig
-    from asyncrl.inference.programs import DecodePrograms
+    from asyncrl.inference.layout import Layout
     from asyncrl.models import Model, preset
     from asyncrl.validate import ConfigError
 
     model = Model(preset("tiny"))
-    assert not DecodePrograms(model, InferenceConfig(), None, eos_id=1).model.flash  # auto on the CPU: reference
-    assert DecodePrograms(model, InferenceConfig(prefill_attention="flash"), None, eos_id=1).model.flash
+    assert not Layout(model, InferenceConfig(), None, pad_id=0).model.flash  # auto on the CPU: reference
+    assert Layout(model, InferenceConfig(prefill_attention="flash"), None, pad_id=0).model.flash
     with pytest.raises(ConfigError, match="inference.prefill_attention"):
         InferenceConfig(prefill_attention="dense")

@@ -19,7 +19,8 @@ BASE = InferenceConfig(group_size=2, max_decode_batch_size=4, max_prefill_prompt
 
 
 def _requests(tok, n=6, k=2):
-    texts = ["3 1 4 1 5>", "9 2 6>", "5 3 5 8 9 7 9>", "3 2>", "8 4 6 2 6 4 3 3>", "8 3 2 7 9>", "5 0>", "2 8 8 4 1 9 7 1>"]
+    texts = ["3 1 4 1 5>", "9 2 6>", "5 3 5 8 9 7 9>", "3 2>", "8 4 6 2 6 4 3 3>", "8 3 2 7 9>", "5 0>",
+             "2 8 8 4 1 9 7 1>"]
     return [Request(Prompt(i, t, k), tok.encode(t)) for i, t in enumerate(texts[:n])]
 
 
@@ -147,7 +148,7 @@ def test_spmd_matches_single_replica_on_4_devices(model_params, tok):
     for substitute in ("auto", "naive"):
         spmd_cfg = dataclasses.replace(cfg, replica_mode="spmd")
         rs = ReplicaSet(model, params, spmd_cfg, tok, devices=jax.devices()[:4], substitute=substitute)
-        state = rs.engines[0]._new_state()
+        state = rs.engines[0].programs.new_state()
         # The decode batch is really split over dp (the CPU keeps one cache leaf per layer).
         assert all(leaf.sharding.spec[1] == "dp" for leaf in jax.tree.leaves(state.kv.k))
         out = rs.generate(_requests(tok, 8, 1))
@@ -167,7 +168,7 @@ def test_in_flight_rows_carry_over_and_record_versions(model_params, tok):
 
     eng.between_loops = hook
     first = eng.generate(_requests(tok, 2, 4), drain=False)
-    assert eng._in_flight > 0  # rows carried, not drained
+    assert eng.in_flight > 0  # rows carried, not drained
     rest = eng.generate(_requests(tok, 2, 4)[::-1], drain=True)
     groups = first + rest
     assert sum(len(g.completions) for g in groups) == 16 and all(g.done for g in groups)

@@ -75,7 +75,7 @@ def _feed_config(cfg, path, obs):
 
 
 def _check_feed_path(eng, path):
-    fed, extended = eng.stats.extra.get("fed_tokens", 0), eng.stats.extend_time
+    fed, extended = eng.stats.fed_tokens, eng.stats.extend_time
     assert (fed > 0) == (path in ("decode", "mixed")) and (extended > 0) == (path in ("extend", "mixed"))
 
 
@@ -110,7 +110,7 @@ def test_a_multi_turn_trajectory_is_exactly_what_the_sampler_saw(model_params, t
             checked += int(sampled.sum())
     assert checked > 50
     batch = build_batch(out, LossConfig(max_tokens=64))
-    for b, (r, c) in enumerate((r, c) for r in out for c in r.completions):
+    for b, (r, c) in enumerate((g, c) for g in out for c in g.completions):
         p = len(r.prompt_tokens)
         np.testing.assert_array_equal(batch.loss_mask[b, p:p + len(c.tokens)], ~c.forced)  # observations: no loss
     assert eng.stats.parked_full == 0
@@ -135,7 +135,7 @@ def test_multi_turn_trajectories_stay_exact_on_a_dp_x_tp_replica(model_params, t
             assert c.n_turns == 3 and c.end_reason == "done"
             lp = _teacher_forced(model, params, r.prompt_tokens, c, BASE.temperature)
             np.testing.assert_allclose(c.logprobs[~c.forced], lp[~c.forced], atol=1e-4)
-    assert eng.stats.extra["park_time"] > 0 and eng.stats.parked_full == 0
+    assert eng.stats.park_time > 0 and eng.stats.parked_full == 0
     _check_feed_path(eng, path)
 
 
@@ -220,7 +220,7 @@ def _continuation_matches_a_fresh_prefill(engine: Engine, model: Model, params, 
     'extend' (the extend program) or 'decode' (a decode call puts the row in a slot and its steps feed the
     observation but its last token)."""
     history, obs = np.asarray(history, np.int32), np.asarray(obs, np.int32)
-    park = engine._new_park()
+    park = engine.parking.new_store()
     pre = engine.prefill([history])  # caches history[:-1]: a row that stopped after sampling history[-1]
 
     def put(park, pre):  # prefill row 0 into park row 2
@@ -230,20 +230,20 @@ def _continuation_matches_a_fresh_prefill(engine: Engine, model: Model, params, 
 
     with jax.set_mesh(engine.mesh) if engine.mesh is not None else _nullcontext():
         park = jax.jit(put)(park, pre)
-    engine._park = park
+    engine.store.kv = park
     feed = np.concatenate([history[-1:], obs])
     if path == "extend":
-        state = engine._extend_parked(engine.params, 0, [2], [feed])
+        state = engine.store.extend(engine.params, 0, [2], [feed])
         row = 0
     else:
-        engine._state = engine._new_state()
+        engine.scheduler.state = engine.programs.new_state()
         padded = np.zeros((engine.F,), np.int32)
         padded[: len(feed)] = feed
         # Insert into a free slot and run len(feed) - 1 steps: they feed all but the observation's last token.
-        state, packed = engine._run(engine._decode, np.int32(0), np.int32(0), np.int32(0), np.uint32(0), np.int32(0),
-                                    np.int32(len(feed) - 1), np.bool_(False), np.int32(2), padded,
-                                    np.int32(len(feed)), device=(engine.params, engine._state,
-                                                                  engine._dummy_prefill(), engine._park))
+        state, packed = engine.layout.run(
+            engine.programs.decode, np.int32(0), np.int32(0), np.int32(0), np.uint32(0), np.int32(0),
+            np.int32(len(feed) - 1), np.bool_(False), np.int32(2), padded, np.int32(len(feed)),
+            device=(engine.params, engine.scheduler.state, engine.scheduler.dummy_prefill(), engine.store.kv))
         row = int(np.argmax(np.asarray(state.active)))
         assert int(np.asarray(state.steps)) == len(feed) - 1
         np.testing.assert_array_equal(np.asarray(state.tokens)[row, len(history):len(history) + len(obs)], obs)
@@ -383,19 +383,20 @@ def test_continuations_do_not_wait_while_the_park_store_is_nearly_full(model_par
     model, params = model_params
     cfg = dataclasses.replace(BASE, extend_wait_s=30.0, max_parked_rows=8, decode_feed_tokens=0)
     eng = Engine(model, params, cfg, tok, seed=1)
-    eng._state, eng._park = eng._new_state(), eng._new_park()
+    eng.scheduler.state, eng.store.kv = eng.programs.new_state(), eng.parking.new_store()
     prompt = np.asarray(tok.encode("3 1 4>"), np.int32)
-    group = Group(Rollout(prompt=Prompt(0, None, 2), prompt_tokens=prompt), [Episode(None, len(prompt)) for _ in range(2)])
+    group = Group(Rollout(prompt=Prompt(0, None, 2), prompt_tokens=prompt),
+                  [Episode(None, len(prompt)) for _ in range(2)])
     feed = np.asarray(tok.encode("9=4>"), np.int32)
-    eng._in_flight = eng.B  # every slot busy: a wait would cost no decode step
-    eng._ready = [Continuation(group, k, feed, park=k) for k in range(2)]
-    eng._free_park = [r for r in range(eng.Q) if r >= 2][: eng.P]  # exactly P free: room to wait
-    eng._launch_ready()
-    assert "extend_calls" not in eng.stats.extra and len(eng._ready) == 2
-    eng._free_park.pop()  # one fewer than P free: they go now
-    eng._launch_ready()
-    assert eng.stats.extra["extend_calls"] == 1 and eng.stats.extra["extend_rows"] == 2 and not eng._ready
-    assert sorted(eng._free_park)[:2] == [0, 1]  # their park rows are free again
+    eng.scheduler.in_flight = eng.B  # every slot busy: a wait would cost no decode step
+    eng.driver.ready = [Continuation(group, k, feed, park=k) for k in range(2)]
+    eng.store.free = [r for r in range(eng.Q) if r >= 2][: eng.P]  # exactly P free: room to wait
+    eng.driver.launch_ready()
+    assert eng.stats.extend_calls == 0 and len(eng.driver.ready) == 2
+    eng.store.free.pop()  # one fewer than P free: they go now
+    eng.driver.launch_ready()
+    assert eng.stats.extend_calls == 1 and eng.stats.extend_rows == 2 and not eng.driver.ready
+    assert sorted(eng.store.free)[:2] == [0, 1]  # their park rows are free again
 
 
 def test_continuations_left_after_a_full_extend_wait_for_their_own_batch(model_params, tok):
@@ -407,30 +408,31 @@ def test_continuations_left_after_a_full_extend_wait_for_their_own_batch(model_p
 
     model, params = model_params
     eng = Engine(model, params, dataclasses.replace(BASE, extend_wait_s=30.0, decode_feed_tokens=0), tok, seed=1)
-    eng._state, eng._park = eng._new_state(), eng._new_park()
+    eng.scheduler.state, eng.store.kv = eng.programs.new_state(), eng.parking.new_store()
     prompt = np.asarray(tok.encode("3 1 4>"), np.int32)
-    group = Group(Rollout(prompt=Prompt(0, None, 6), prompt_tokens=prompt), [Episode(None, len(prompt)) for _ in range(6)])
+    group = Group(Rollout(prompt=Prompt(0, None, 6), prompt_tokens=prompt),
+                  [Episode(None, len(prompt)) for _ in range(6)])
     feed = np.asarray(tok.encode("9=4>"), np.int32)
-    eng._ready = [Continuation(group, k, feed, park=k) for k in range(6)]
-    eng._free_park = [r for r in eng._free_park if r >= 6]
-    eng._in_flight = eng.B  # every slot busy: waiting costs no decode step
-    eng._launch_ready()
-    assert eng.stats.extra["extend_calls"] == 1 and eng.stats.extra["extend_rows"] == eng.P == 4
-    assert [c.k for c in eng._ready] == [4, 5] and len(eng._queue) == 4  # the two left over wait
-    eng._launch_ready()  # nothing new: they go on waiting
-    assert eng.stats.extra["extend_calls"] == 1 and len(eng._ready) == 2
-    for c in eng._ready:
+    eng.driver.ready = [Continuation(group, k, feed, park=k) for k in range(6)]
+    eng.store.free = [r for r in eng.store.free if r >= 6]
+    eng.scheduler.in_flight = eng.B  # every slot busy: waiting costs no decode step
+    eng.driver.launch_ready()
+    assert eng.stats.extend_calls == 1 and eng.stats.extend_rows == eng.P == 4
+    assert [c.k for c in eng.driver.ready] == [4, 5] and len(eng.scheduler.queue) == 4  # the two left over wait
+    eng.driver.launch_ready()  # nothing new: they go on waiting
+    assert eng.stats.extend_calls == 1 and len(eng.driver.ready) == 2
+    for c in eng.driver.ready:
         c.ready_at -= 31.0  # their wait is up
-    eng._launch_ready()
-    assert eng.stats.extra["extend_calls"] == 2 and eng.stats.extra["extend_rows"] == 6 and not eng._ready
-    assert sorted(t[2][1] for t in eng._queue) == list(range(6))  # each continuation queued once
+    eng.driver.launch_ready()
+    assert eng.stats.extend_calls == 2 and eng.stats.extend_rows == 6 and not eng.driver.ready
+    assert sorted(q.target.k for q in eng.scheduler.queue) == list(range(6))  # each continuation queued once
 
 
 def test_short_continuations_go_into_the_decode_batch_at_once_and_long_ones_through_extend(model_params, tok):
     """A continuation of at most decode_feed_tokens tokens is queued ahead of new prompts at once, holding its park
     row until a decode call takes its cache (no extend, no wait, even with every slot busy); a longer one waits to
     share an extend."""
-    from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
+    from asyncrl.inference.episodes import Continuation, Episode, Fed, Group, Queued, Target
     from asyncrl.rollout import Rollout
 
     model, params = model_params
@@ -438,18 +440,18 @@ def test_short_continuations_go_into_the_decode_batch_at_once_and_long_ones_thro
     cfg = dataclasses.replace(BASE, extend_wait_s=30.0, max_parked_rows=8, decode_feed_tokens=len(short))
     eng = Engine(model, params, cfg, tok, seed=1)
     assert len(long) > len(short)
-    eng._state, eng._park = eng._new_state(), eng._new_park()
+    eng.scheduler.state, eng.store.kv = eng.programs.new_state(), eng.parking.new_store()
     prompt = np.asarray(tok.encode("3 1 4>"), np.int32)
     group = Group(Rollout(prompt=Prompt(0, None, 3), prompt_tokens=prompt),
                   [Episode(None, len(prompt)) for _ in range(3)])
-    eng._queue.append(("a prompt row", 0, (group, 2)))
-    eng._in_flight = eng.B  # every slot busy
-    eng._ready = [Continuation(group, 0, short, park=0), Continuation(group, 1, long, park=1)]
-    eng._free_park = [r for r in eng._free_park if r >= 2]
-    eng._launch_ready()
-    assert "extend_calls" not in eng.stats.extra and [c.k for c in eng._ready] == [1]  # the long one waits
-    head, p, target = eng._queue[0]
-    assert isinstance(head, Fed) and head.park == 0 and target == (group, 0) and len(eng._queue) == 2
+    eng.scheduler.queue.append(Queued("a prompt row", 0, Target(group, 2)))
+    eng.scheduler.in_flight = eng.B  # every slot busy
+    eng.driver.ready = [Continuation(group, 0, short, park=0), Continuation(group, 1, long, park=1)]
+    eng.store.free = [r for r in eng.store.free if r >= 2]
+    eng.driver.launch_ready()
+    assert eng.stats.extend_calls == 0 and [c.k for c in eng.driver.ready] == [1]  # the long one waits
+    head, target = eng.scheduler.queue[0].source, eng.scheduler.queue[0].target
+    assert isinstance(head, Fed) and head.park == 0 and target == Target(group, 0) and len(eng.scheduler.queue) == 2
     np.testing.assert_array_equal(head.feed, short)
-    assert 0 not in eng._free_park  # held until a decode call takes it
+    assert 0 not in eng.store.free  # held until a decode call takes it
     assert group.episodes[0].parts[-1].observation  # recorded now; its versions come from the row

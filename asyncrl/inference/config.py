@@ -120,7 +120,9 @@ class InferenceConfig:
 
     @property
     def env_threads(self) -> int:
-        return self.env_workers if self.env_workers is not None else max(16, self.parked_rows + self.max_decode_batch_size)
+        if self.env_workers is not None:
+            return self.env_workers
+        return max(16, self.parked_rows + self.max_decode_batch_size)
 
     @property
     def parked_rows(self) -> int:

@@ -1,7 +1,17 @@
 """One inference replica: bucketed prefill, a jitted decode loop, and continuous batching on the host, with the
 turns of multi-turn episodes.
 
-Compiled programs (`programs.py`, which the engine extends with the host side):
+The engine is made of parts, each in its own module:
+- `layout.Layout`: sizes, shardings and the empty state of the replica;
+- `programs.DecodePrograms` and `parking.ParkPrograms`: the compiled device programs, lowered abstractly by
+  `lowering.AbstractPrograms`;
+- `weights.Weights`: the params and their version, swapped under a lock;
+- `parking.ParkStore`: the park store's cache and its free rows;
+- `scheduler.Scheduler`: the decode rows, their slots and the queue of samples waiting for one;
+- `turns.EpisodeDriver`: the episodes, their environment steps and their continuations.
+They talk through small dataclasses (`episodes.Queued`, `Stepping`, `Continuation`, `scheduler.Outcome`).
+
+Compiled programs:
 - `prefill`, memoized per power-of-two prompt bucket (at most log2(max_seq_len) programs);
 - `decode_and_swap`, compiled once: fills a free slot with the next queued (prompt, sample) row, runs decode steps
   in a `lax.while_loop` until some live row stops, takes that row out, and puts the queued row in its place if no
@@ -24,46 +34,33 @@ by `extend` first. A group is emitted once every episode in it has ended (`episo
 
 from __future__ import annotations
 
-import collections
-import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
-from dataclasses import dataclass, field
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from asyncrl.inference.config import InferenceConfig
-from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
-from asyncrl.inference.layout import cpu_decode_layout
+from asyncrl.inference.episodes import Episode, Group, Queued, Target
+from asyncrl.inference.forcing import think_phrase
+from asyncrl.inference.layout import Layout
+from asyncrl.inference.lowering import AbstractPrograms
+from asyncrl.inference.parking import ParkPrograms, ParkStore
 from asyncrl.inference.programs import DecodePrograms
-from asyncrl.inference.state import DecodeState, FinishedRow, unpack_row
+from asyncrl.inference.scheduler import Scheduler
+from asyncrl.inference.state import DecodeState
+from asyncrl.inference.stats import EngineStats
 from asyncrl.inference.turns import EpisodeDriver
-from asyncrl.models import dense
-from asyncrl.models.tokenizer import Tokenizer, bucket_length
+from asyncrl.inference.weights import Weights, place_params
+from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.models.transformer import Model
-from asyncrl.rollout import Environment, Prompt, Rollout, Turn
+from asyncrl.rollout import Environment, Prompt, Rollout
 
-log = logging.getLogger(__name__)
-
-
-def place_params(params: Any, shardings: Any) -> Any:
-    """Put params on a replica's layout. Where a leaf already holds a full copy on each target device (what the
-    weight-sync hop chain delivers), the replica's array is a zero-copy view of those buffers."""
-
-    def one(x: jax.Array, sh: NamedSharding) -> jax.Array:
-        if isinstance(x, jax.Array) and all(e is None for e in sh.spec):
-            by_dev = {s.device: s.data for s in x.addressable_shards if s.data.shape == x.shape}
-            targets = list(sh.mesh.devices.flat)
-            if all(d in by_dev for d in targets):
-                return jax.make_array_from_single_device_arrays(x.shape, sh, [by_dev[d] for d in targets])
-        return jax.device_put(x, sh)
-
-    return jax.tree.map(one, params, shardings)
+__all__ = ["Engine", "EngineStats", "Request", "place_params"]
 
 
 @dataclass
@@ -77,29 +74,9 @@ class Request:
     envs: Sequence[Environment] | None = None
 
 
-@dataclass
-class EngineStats:
-    decode_steps: int = 0
-    calls: int = 0
-    finished: int = 0
-    generated_tokens: int = 0
-    decode_time: float = 0.0  # seconds of decode loops, dispatch to device completion
-    prefill_time: float = 0.0  # seconds of prefills, dispatch to device completion
-    prefill_calls: int = 0
-    engine_time: float = 0.0  # wall seconds inside generate / advance: the device calls and the host work between
-    extend_time: float = 0.0  # seconds of extends (multi-turn continuations)
-    env_steps: int = 0
-    env_time: float = 0.0  # seconds environments spent in their steps (on worker threads)
-    parked_full: int = 0  # continuations whose cache did not fit the park store (re-prefilled)
-    slot_steps: int = 0  # decode steps x rows live in them (occupancy: slot_steps / (decode_steps x batch)); the
-    # row-steps that fed an observation token rather than sampling one are extra["fed_tokens"]
-    slot_time: float = 0.0  # decode seconds x rows live in them
-    extra: dict = field(default_factory=dict)
-
-
-class Engine(EpisodeDriver, DecodePrograms):
-    """A replica over `mesh` (None = default device): the host side of continuous batching over the compiled
-    programs of `DecodePrograms`. Thread-safe for `set_params` vs. the decode thread."""
+class Engine:
+    """A replica over `mesh` (None = default device): its parts (see the module's docstring) and the host loop of
+    continuous batching over them. Thread-safe for `set_params` vs. the decode thread."""
 
     def __init__(
         self,
@@ -117,100 +94,52 @@ class Engine(EpisodeDriver, DecodePrograms):
         substitute: str = "auto",
         stop: Sequence[Sequence[int]] = (),
     ):
-        super().__init__(model, cfg, tokenizer, eos_id=eos_id, pad_id=pad_id, mesh=mesh, seed=seed,
-                         substitute=substitute, stop=stop)
-        self.name = name
-        self._lock = threading.Lock()
-        self.params = self._prepare(self._place(params))
-        self.version = version
-        self.between_loops: Callable[[], None] = lambda: None
+        """`stop`: token sequences that end a model turn like EOS does (a tool call's closing tag); the sequence's
+        tokens stay in the completion as sampled."""
+        self.cfg, self.tokenizer, self.name = cfg, tokenizer, name
+        self.eos_id = eos_id if eos_id is not None else tokenizer.eos_id  # type: ignore[union-attr]
+        self.pad_id = tokenizer.pad_id if tokenizer is not None else pad_id
+        self.layout = lay = Layout(model, cfg, mesh, self.pad_id)
+        self.model, self.mesh, self.cpu = lay.model, mesh, lay.cpu
+        self.S, self.B, self.P, self.Q, self.F = lay.S, lay.B, lay.P, lay.Q, lay.F
+        phrase = think_phrase(tokenizer, cfg.think_phrase, cfg.reasoning_budget) \
+            if cfg.reasoning_budget is not None else None
+        self.parking = ParkPrograms(lay) if self.Q else None
+        self.programs = DecodePrograms(lay, self.parking, eos_id=self.eos_id, seed=seed, substitute=substitute,
+                                       stop=stop, phrase=phrase)
+        self.stop = self.programs.stop
+        self.abstract = AbstractPrograms(lay, self.programs, self.parking)
+        self.weights = Weights(lay, params, version)
         self.stats = EngineStats()
-        self._slot_counter = 0
-        self._slots: dict[int, tuple[Group, int]] = {}
-        self._in_flight = 0
-        self._state: DecodeState | None = None
-        # (prefill batch, its row, target), or (Fed, -, target) for a continuation that decode steps feed
-        self._queue: collections.deque[tuple[DecodeState | Fed, int, tuple[Group, int]]] = collections.deque()
-        self._stepping: list[tuple[Future, Group, int, int, bool]] = []  # (step, group, sample, park row, last)
-        self._ready: list[Continuation] = []
-        self._park: Any = None
-        self._free_park: list[int] = list(range(self.Q))[::-1]
-        self._pool: ThreadPoolExecutor | None = None
-        self._emit: Callable[[Rollout], Any] | None = None
+        self.store = ParkStore(self.parking) if self.parking is not None else None
+        self.scheduler = Scheduler(lay, self.programs, self.weights, self.stats, self.store)
+        self.driver = EpisodeDriver(cfg, name, self.stats, self.scheduler, self.store, tokenizer, self.eos_id,
+                                    self.stop)
+        self.between_loops: Callable[[], None] = lambda: None
 
     # ---- params ---------------------------------------------------------------------------------------------
+
+    @property
+    def params(self) -> Any:
+        return self.weights.params
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
 
     def set_params(self, params: Any, version: int) -> None:
         """Swap weights, given in any placement (the hop chain's delivery: a zero-copy view of it where it already
         sits on this replica's devices); rows in flight continue with the new ones (their versions record the
         boundary)."""
-        params = self._prepare(self._place(params))
-        with self._lock:
-            self.params, self.version = params, version
-
-    def _place(self, params: Any) -> Any:
-        if params is None or self.mesh is None:
-            return params
-        return place_params(params, self.model.param_shardings(self.mesh))
-
-    def _prepare(self, params: Any) -> Any:
-        """The weights as this replica decodes with them, made once per weight sync. On the CPU:
-        - bf16/f16 leaves become f32: XLA:CPU has no fast half-precision matmul and would otherwise convert every
-          layer's weights on every step;
-        - the stacked layers are split into per-layer arrays (`params.unstack_layers`): a scan over stacked
-          weights copies each layer's slice before its matmuls on every step, a second pass over all weights;
-        - each matrix is stored transposed, output dims first (`models/dense.py`): XLA:CPU's small-batch
-          matmul is faster that way round.
-        Other backends decode with the trainer's tree as it is (TPU fuses the slice into the matmul)."""
-        if params is None or not self.cpu or dense.is_output_major(params):
-            return params
-        if self.mesh is None:
-            return cpu_decode_layout(params)
-        with jax.set_mesh(self.mesh):
-            return cpu_decode_layout(params)
+        self.weights.set(params, version)
 
     # ---- host loop ------------------------------------------------------------------------------------------
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> DecodeState:
-        if len(prompts) > self.P:
-            raise ValueError(f"{len(prompts)} prompts > inference.max_prefill_prompts={self.P}")
-        for i, p in enumerate(prompts):
-            if not 1 <= len(p) < self.S:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; must be in [1, max_seq_len={self.S})")
-        toks, lens = self._padded(prompts)
-        with self._lock:
-            params, version = self.params, np.int32(self.version)
-        t0 = time.perf_counter()
-        state = self._run(self._prefill, toks, lens, version, device=(params,))
-        jax.block_until_ready(state.kv)
-        self.stats.prefill_time += time.perf_counter() - t0
-        self.stats.prefill_calls += 1
-        return state
+        return self.scheduler.prefill(prompts)
 
-    def _padded(self, rows: Sequence[Sequence[int]], n: int | None = None,
-                min_bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """[n (default P), bucket] right-padded ids and [n] lengths; unused rows are a 1-token dummy, never
-        inserted."""
-        n = self.P if n is None else n
-        width = bucket_length(max(len(p) for p in rows), min_bucket or self.cfg.min_prefill_bucket, self.S)
-        toks = np.full((n, width), self.pad_id, np.int32)
-        lens = np.ones((n,), np.int32)
-        for i, p in enumerate(rows):
-            toks[i, : len(p)] = p
-            lens[i] = len(p)
-        return toks, lens
-
-    def _run(self, fn: Any, *host: Any, device: tuple = ()) -> Any:
-        """`fn(*device, *host)` with the host arrays placed replicated on this replica's mesh. Host values are
-        numpy arrays and scalars, passed to the jitted call as they are (or put in one `device_put`): a `jnp.asarray`
-        each cost 0.19 ms a decode call for its 7 scalars, on a 2-core CPU, where a zero-step call costs 0.5 ms."""
-        if self.mesh is None:
-            return fn(*device, *host)
-        rep = NamedSharding(self.mesh, P())
-        with jax.set_mesh(self.mesh):  # tracing needs the mesh for explicit-sharding rules (thread-local)
-            return fn(*device, *jax.device_put(tuple(host), rep))
-
-    def generate(self, requests: Sequence[Request], drain: bool = True, on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
+    def generate(self, requests: Sequence[Request], drain: bool = True,
+                 on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
         """Sample every request `n` times, each sample in its own environment. With drain=False, rows still in
         flight (or waiting on their environments) when the queue empties are carried into the next call; finished
         groups are returned (and passed to `on_group`) as they complete."""
@@ -221,12 +150,12 @@ class Engine(EpisodeDriver, DecodePrograms):
             if on_group is not None:
                 on_group(r)
 
-        self._emit = emit
+        self.driver.emit = emit
         t0 = time.perf_counter()
-        if self._state is None:
-            self._state = self._new_state()
-            if self.Q:
-                self._park = self._new_park()
+        if self.scheduler.state is None:
+            self.scheduler.state = self.programs.new_state()
+            if self.store is not None:
+                self.store.kv = self.parking.new_store()  # type: ignore[union-attr]
         for start in range(0, len(requests), self.P):
             chunk = requests[start : start + self.P]
             prefill = self.prefill([r.tokens for r in chunk])
@@ -237,7 +166,7 @@ class Engine(EpisodeDriver, DecodePrograms):
                     raise ValueError(f"request for {r.prompt.id}: {len(envs)} environments for {n} samples")
                 rollout = Rollout(prompt=r.prompt, prompt_tokens=np.asarray(r.tokens, np.int32), worker=self.name)
                 g = Group(rollout, [Episode(env, len(r.tokens)) for env in envs])
-                self._queue.extend((prefill, i, (g, k)) for k in range(n))
+                self.scheduler.queue.extend(Queued(prefill, i, Target(g, k)) for k in range(n))
             self._pump()
         if drain:
             while self.busy:
@@ -248,142 +177,100 @@ class Engine(EpisodeDriver, DecodePrograms):
     @property
     def in_flight(self) -> int:
         """Rows holding a live sample (carried across `generate(drain=False)` calls)."""
-        return self._in_flight
+        return self.scheduler.in_flight
 
     @property
     def busy(self) -> bool:
         """Anything not yet emitted: rows in flight or queued, episodes stepping or about to continue."""
-        return bool(self._in_flight or self._queue or self._stepping or self._ready)
+        return bool(self.scheduler.in_flight or self.scheduler.queue or self.driver.busy)
 
     def advance(self, on_group: Callable[[Rollout], None] | None = None) -> list[Rollout]:
         """Move episodes on without new prompts: continue those whose environment answered, finish one in-flight row,
         or wait a moment for an environment. Keeps rows moving when the prompt queue is empty."""
         done: list[Rollout] = []
-        self._emit = lambda r: (done.append(r), on_group(r) if on_group else None)
+        self.driver.emit = lambda r: (done.append(r), on_group(r) if on_group else None)
         t0 = time.perf_counter()
         self._advance()
         self.stats.engine_time += time.perf_counter() - t0
         return done
 
     def _advance(self) -> None:
-        self._poll_env()
-        self._launch_ready()
-        if self._queue:
+        self.driver.poll()
+        self.driver.launch_ready()
+        if self.scheduler.queue:
             self._pump()
-        elif self._in_flight > 0 and self._state is not None:
+        elif self.scheduler.in_flight > 0 and self.scheduler.state is not None:
             self._call(None, -1, None)
-        elif self._stepping:
-            wait_futures([s[0] for s in self._stepping], timeout=0.02, return_when="FIRST_COMPLETED")
-            self._poll_env()
+        elif self.driver.stepping:
+            wait_futures([s.future for s in self.driver.stepping], timeout=0.02, return_when="FIRST_COMPLETED")
+            self.driver.poll()
 
     def _pump(self) -> None:
         """Insert the queued rows (continuations first), decoding until a row is free for each."""
-        while self._queue:
-            self._poll_env()
-            self._launch_ready()
-            state, p, target = self._queue.popleft()
-            while not self._call(state, p, target):  # a chunk ended before a row was free: decode on
-                self._poll_env()
+        while self.scheduler.queue:
+            self.driver.poll()
+            self.driver.launch_ready()
+            q = self.scheduler.queue.popleft()
+            while not self._call(q.source, q.row, q.target):  # a chunk ended before a row was free: decode on
+                self.driver.poll()
 
-    def _call(self, prefill: DecodeState | Fed | None, p: int, target: tuple[Group, int] | None) -> bool:
+    def _call(self, source: Any, p: int, target: Target | None) -> bool:
         """One decode chunk; returns whether `target` was inserted (always True without a target). A row that came
         out is collected at once: its environment steps (and its group can be emitted) while decoding goes on;
         holding it until the current prompt batch is all inserted would make it a straggler."""
         self.between_loops()
-        with self._lock:
-            params, version = self.params, self.version
-        # A multi-turn engine never substitutes into the row it takes out: with the batch full, this call only
-        # takes a row out (its cache is then parked by its own program) and the next call fills the free slot.
-        defer = bool(self.Q) and target is not None and self._in_flight >= self.B
-        slot = -1
-        if target is not None and not defer:
-            slot = self._slot_counter
-            self._slot_counter += 1
-            self._slots[slot] = target
-        fed = prefill if isinstance(prefill, Fed) else None
-        feed = np.zeros((self.F,), np.int32)
-        if fed is not None:
-            feed[: len(fed.feed)] = fed.feed
-            prefill, p = None, 0
-        if prefill is None:
-            prefill = self._dummy_prefill()
-        t0 = time.perf_counter()
-        uid, k = (target[0].rollout.prompt.uid, target[1]) if target is not None else (0, 0)
-        scalars = (np.int32(-1 if defer else p), np.int32(slot), np.int32(version), np.uint32(uid & 0xFFFFFFFF),
-                   np.int32(k), np.int32(self.cfg.decode_chunk_steps), np.bool_(bool(self._queue)),
-                   np.int32(fed.park if fed is not None else -1), feed, np.int32(len(fed.feed) if fed else 0))
-        # Rows decoding through this chunk: a row filled into a free slot joins at its start, a substituted one at
-        # its end.
-        live = self._in_flight + int(target is not None and not defer and self._in_flight < self.B)
-        self._state, packed = self._run(self._decode, *scalars, device=(params, self._state, prefill, self._park))
-        # Waiting for the row waits for the device to finish the chunk, so decode_time (and the
-        # decode_tokens_per_s metric built on it) is device time, and `between_loops` runs on executed work.
-        row = unpack_row(np.asarray(jax.device_get(packed)))
-        inserted, out_slot, steps = row.inserted, row.slot, row.steps
-        dt = time.perf_counter() - t0
-        self.stats.decode_time += dt
-        self.stats.calls += 1
-        self.stats.decode_steps += int(steps)
-        self.stats.slot_steps += live * int(steps)
-        self.stats.slot_time += live * dt
-        if target is not None and not defer and not inserted:
-            del self._slots[slot]
-        if fed is not None and not defer and bool(inserted):  # its cache is in a decode row now
-            self._release(fed.park)
-            self.stats.extra["fed_tokens"] = self.stats.extra.get("fed_tokens", 0) + len(fed.feed) - 1
-        self._in_flight += int(bool(inserted))
-        if int(out_slot) >= 0:  # a finished row came out
-            self._in_flight -= 1
-            park_at = -1
-            group, k = self._slots[int(out_slot)]
-            ep = group.episodes[k]
+        out = self.scheduler.call(source, p, target)
+        if out.row is not None:
+            park = -1
             # Its cache to the park store while its environment steps, unless no turn can follow this one.
-            if self.Q and self._free_park and ep.env is not None and ep.turn + 1 < self.cfg.max_turns:
-                park_at = self._free_park.pop()
+            if self.store is not None and self.store.free and self.driver.parks(out.target):
+                park = self.store.take()
                 t1 = time.perf_counter()
-                self._park = self._run(self._park_prog, row.row, np.int32(park_at),
-                                       device=(self._state.kv, self._park))
-                self.stats.extra["park_time"] = self.stats.extra.get("park_time", 0.0) + time.perf_counter() - t1
-            self._collect(row, park_at)
-        return target is None or (not defer and bool(inserted))
+                self.store.park(self.scheduler.state.kv, int(out.row.row), park)
+                self.stats.park_time += time.perf_counter() - t1
+            self.driver.collect(out.row, out.target, park)
+        return out.inserted
 
-    def _dummy_prefill(self) -> DecodeState:
-        if not hasattr(self, "_dummy"):
-            self._dummy = self.prefill([[self.pad_id]])
-        return self._dummy
+    # ---- the programs, lowered abstractly (`launch.py aot`) -------------------------------------------------
 
-    def _collect(self, r: FinishedRow, park: int) -> None:
-        """A finished row (on the host already, `park` the park row its cache went to or -1): a model turn of its
-        episode, handed to the episode's environment (or, with none, the end of it)."""
-        t0 = time.perf_counter()
-        group, k = self._slots.pop(int(r.slot))
-        ep = group.episodes[k]
-        pl, n = int(r.prompt_len), int(r.length)
-        toks = np.asarray(r.tokens[pl:n], np.int32)
-        text = self.tokenizer.decode(toks[:-1] if len(toks) and toks[-1] == self.eos_id else toks) \
-            if self.tokenizer else ""
-        finish = "length" if bool(r.hit_length) else ("stop" if self._ends_with_stop(toks) else "eos")
-        if ep.turn == 0:
-            ep.prompt_version = int(r.versions[0])
-        elif ep.parts and ep.parts[-1].observation:
-            # The observation sits just before this turn's tokens; the row holds the version of the weights that
-            # took it in (the extend's or prefill's, or each decode step's that fed a token).
-            obs = ep.parts[-1]
-            obs.versions = np.asarray(r.versions[pl - len(obs.tokens):pl], np.int32)
-        ep.add_turn(toks, np.asarray(r.logprobs[pl:n], np.float32), np.asarray(r.forced[pl:n], bool),
-                    np.asarray(r.versions[pl:n], np.int32), text, finish, bool(r.end_of_think))
-        self.stats.finished += 1
-        self.stats.generated_tokens += len(toks)
-        if ep.env is None:
-            self._release(park)
-            ep.end(None)
-            self._maybe_emit(group)
-        else:
-            last = ep.turn >= self.cfg.max_turns or n >= self.S - 1
-            turn = Turn(toks, text, ep.turn - 1, finish, last)
-            self._stepping.append((self._step(ep, turn), group, k, park, last))
-        self.stats.extra["detokenize_time"] = self.stats.extra.get("detokenize_time", 0.0) + time.perf_counter() - t0
-        self._poll_env()
+    def prefill_buckets(self) -> list[int]:
+        return self.layout.prefill_buckets()
 
-    def _ends_with_stop(self, toks: np.ndarray) -> bool:
-        return any(len(toks) >= len(q) and tuple(toks[-len(q):]) == q for q in self.stop)
+    def extend_buckets(self) -> list[int]:
+        return self.layout.extend_buckets()
+
+    def extend_rows(self, n: int) -> int:
+        return self.layout.extend_rows(n)
+
+    def abstract_params(self) -> Any:
+        return self.abstract.abstract_params()
+
+    def abstract_state(self, rows: int | None = None, split_rows: bool = True) -> DecodeState:
+        return self.abstract.abstract_state(rows, split_rows)
+
+    def abstract_park(self) -> Any:
+        return self.abstract.abstract_park()
+
+    def abstract_lora(self, lora_cfg: Any) -> Any:
+        return self.abstract.abstract_lora(lora_cfg)
+
+    def abstract_params_with_lora(self, lora_cfg: Any) -> Any:
+        return self.abstract.abstract_params_with_lora(lora_cfg)
+
+    def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
+        return self.abstract.lower_prefill(bucket)
+
+    def lower_decode(self, params: Any = None) -> jax.stages.Lowered:
+        return self.abstract.lower_decode(params)
+
+    def lower_decode_keeping_base(self) -> jax.stages.Lowered:
+        return self.abstract.lower_decode_keeping_base()
+
+    def lower_lora_merge(self, lora_cfg: Any) -> jax.stages.Lowered:
+        return self.abstract.lower_lora_merge(lora_cfg)
+
+    def lower_park(self) -> jax.stages.Lowered:
+        return self.abstract.lower_park()
+
+    def lower_extend(self, bucket: int, rows: int | None = None) -> jax.stages.Lowered:
+        return self.abstract.lower_extend(bucket, rows)

@@ -2,8 +2,10 @@
 
 An episode accumulates its token arrays turn by turn, exactly as the device saw them: each model turn's sampled ids
 (with their logprobs, forced mask and weight versions), then each observation's ids (forced, logprob 0, the version
-that computed their keys and values). Nothing is ever decoded and re-encoded. When the environment says done, or a
-limit ends the episode, it becomes a `Completion`; when every episode of a group has, the group is a `Rollout`.
+that computed their keys and values). Every version is written once, when the decode row that holds it comes back to
+the host (`Episode.add_turn`): the device decided it (the prefill's, the extend's, or each feeding decode step's).
+Nothing is ever decoded and re-encoded. When the environment says done, or a limit ends the episode, it becomes a
+`Completion`; when every episode of a group has, the group is a `Rollout`.
 
 A continuation is the next model turn of an episode: `feed` is the last sampled token (the device stopped before
 feeding it) followed by the observation. Either decode steps feed it, a token a step, in the row it goes back to
@@ -14,11 +16,13 @@ and decodes on from `feed[-1]` (`parking.ParkPrograms._extend_fn`).
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from asyncrl.inference.state import DecodeState
 from asyncrl.rollout import Completion, Environment, Rollout, StepResult
 
 
@@ -29,7 +33,7 @@ class Part:
     tokens: np.ndarray
     logprobs: np.ndarray
     forced: np.ndarray
-    versions: np.ndarray
+    versions: np.ndarray | None  # None: an observation whose decode row has not come back yet (`Episode.add_turn`)
     turn: int
     observation: bool
 
@@ -57,16 +61,26 @@ class Episode:
         return self.prompt_len + sum(len(p.tokens) for p in self.parts)
 
     def add_turn(self, tokens: np.ndarray, logprobs: np.ndarray, forced: np.ndarray, versions: np.ndarray,
-                 text: str, finish: str, ended_thinking: bool) -> None:
+                 text: str, finish: str, ended_thinking: bool, context_versions: np.ndarray) -> None:
+        """A model turn, as its decode row came back. `context_versions`: the row's versions before the turn (its
+        prompt, or the history and the observation just fed): the first turn's give the prompt's version, a later
+        one's the versions of the observation before it, the weights that took it in (an extend's or a prefill's,
+        or each decode step's that fed a token)."""
+        if self.turn == 0:
+            self.prompt_version = int(context_versions[0])
+        elif self.parts and self.parts[-1].versions is None:
+            obs = self.parts[-1]
+            obs.versions = np.asarray(context_versions[len(context_versions) - len(obs.tokens):], np.int32)
         self.parts.append(Part(tokens, logprobs, forced, versions, self.turn, False))
         self.texts.append(text)
         self.finish, self.ended_thinking = finish, ended_thinking
         self.turn += 1
 
-    def add_observation(self, tokens: np.ndarray, version: int) -> None:
+    def add_observation(self, tokens: np.ndarray) -> None:
+        """The environment's answer, recorded as it goes back to the device; its versions come with the next turn."""
         n = len(tokens)
-        self.parts.append(Part(np.asarray(tokens, np.int32), np.zeros(n, np.float32), np.ones(n, bool),
-                               np.full(n, version, np.int32), self.turn - 1, True))
+        self.parts.append(Part(np.asarray(tokens, np.int32), np.zeros(n, np.float32), np.ones(n, bool), None,
+                               self.turn - 1, True))
 
     def end(self, result: StepResult | None, end_reason: str = "done") -> None:
         """Over: by the environment (`done`), by a limit (`end_reason`: the reward of its last step stands), or, with
@@ -80,6 +94,7 @@ class Episode:
         return np.concatenate([prompt, *(p.tokens for p in self.parts)]).astype(np.int32)
 
     def completion(self) -> Completion:
+        assert all(p.versions is not None for p in self.parts), "an observation's row never came back"
         cat = lambda name, dtype: np.concatenate([getattr(p, name) for p in self.parts]).astype(dtype) \
             if self.parts else np.zeros(0, dtype)  # noqa: E731
         turns = np.concatenate([np.full(len(p.tokens), p.turn, np.int32) for p in self.parts]) if self.parts \
@@ -109,6 +124,18 @@ class Group:
         return self.rollout
 
 
+@dataclass(frozen=True)
+class Target:
+    """One sample of a group: where a decode row's tokens go."""
+
+    group: Group
+    k: int
+
+    @property
+    def episode(self) -> Episode:
+        return self.group.episodes[self.k]
+
+
 @dataclass
 class Continuation:
     """An episode's next turn, ready to go back into the decode batch."""
@@ -120,6 +147,10 @@ class Continuation:
     info: dict[str, Any] = field(default_factory=dict)
     ready_at: float = field(default_factory=time.monotonic)
 
+    @property
+    def target(self) -> Target:
+        return Target(self.group, self.k)
+
 
 @dataclass
 class Fed:
@@ -127,3 +158,24 @@ class Fed:
 
     park: int
     feed: np.ndarray
+
+
+@dataclass
+class Queued:
+    """A sample waiting for a decode slot: row `row` of a prefill or extend batch (`source`, a `DecodeState`), or a
+    continuation fed from its park row (`source`, a `Fed`; `row` unused)."""
+
+    source: DecodeState | Fed
+    row: int
+    target: Target
+
+
+@dataclass
+class Stepping:
+    """An episode whose environment is stepping: `park` the park row holding its cache (-1: none), `last` whether
+    the turn was its last."""
+
+    future: Future
+    target: Target
+    park: int
+    last: bool

@@ -7,6 +7,7 @@ blog's versions don't mark them). All shapes are fixed; `index` is where the new
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +58,20 @@ def force_end_of_think(
     logprob = jnp.where(forced, 0.0, logprob)
     end_of_think = end_of_think | (new_token == think_id)
     return new_token, logprob, forced, end_of_think
+
+
+def think_phrase(tokenizer: Any, phrase: str, budget: int) -> list[int]:
+    """`inference.think_phrase` as ids, checked: it must end with the tokenizer's end-of-think token and fit in the
+    reasoning budget."""
+    if tokenizer is None:
+        raise ValueError("inference.reasoning_budget needs a tokenizer to encode inference.think_phrase")
+    ids = tokenizer.encode(phrase)
+    eot = tokenizer.end_of_think_id
+    if eot is None or not ids or ids[-1] != eot:
+        raise ValueError(
+            f"inference.think_phrase={phrase!r} must end with the tokenizer's end-of-think token"
+            f" (id {eot}); this tokenizer has {'none' if eot is None else 'a different last token'}"
+        )
+    if len(ids) > budget:
+        raise ValueError(f"inference.think_phrase is {len(ids)} tokens, longer than inference.reasoning_budget")
+    return ids

@@ -1,5 +1,5 @@
-"""The ahead-of-time side of a replica's programs: every program `DecodePrograms` compiles, lowered from abstract
-values only (what `launch.py aot` compiles for a TPU slice), with the shapes and layouts of its inputs."""
+"""The ahead-of-time side of a replica's programs: every program of `DecodePrograms` and `ParkPrograms`, lowered from
+abstract values only (what `launch.py aot` compiles for a TPU slice), with the shapes and layouts of its inputs."""
 
 from __future__ import annotations
 
@@ -7,23 +7,28 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from asyncrl.inference.layout import cpu_decode_layout
+from asyncrl.inference.layout import Layout, cpu_decode_layout
+from asyncrl.inference.parking import ParkPrograms
+from asyncrl.inference.programs import DecodePrograms
 from asyncrl.inference.state import DecodeState
 from asyncrl.models import lora as lora_lib, params as params_lib
 from asyncrl.models.kvcache import KVCache
-from asyncrl.models.tokenizer import bucket_length
 from asyncrl.sharding.rules import ShardingRules
 
 
 class AbstractPrograms:
-    """Mixed into `DecodePrograms` (which provides the jitted programs, `cfg`, `mesh`, `model` and the layouts)."""
+    """The programs of one replica (`decode`; `parking`, None for a single-turn one) on abstract inputs."""
+
+    def __init__(self, layout: Layout, decode: DecodePrograms, parking: ParkPrograms | None):
+        self.layout, self.programs, self.parking = layout, decode, parking
+        self.cfg, self.model, self.mesh, self.cpu = layout.cfg, layout.model, layout.mesh, layout.cpu
+        self.B, self.P, self.Q, self.F = layout.B, layout.P, layout.Q, layout.F
 
     def abstract_params(self) -> Any:
         """ShapeDtypeStructs of the weights this replica decodes with (`inference.params_dtype`, its layout; on
-        the CPU what `Engine.set_params` makes of them: per-layer, half precision as float32, matrices output-major)."""
+        the CPU what `Weights.set` makes of them: per-layer, half precision as float32, matrices output-major)."""
         dtype = jnp.dtype(self.cfg.params_dtype)
         shapes = params_lib.shapes(self.model.cfg, dtype)
         if self.mesh is not None:
@@ -42,40 +47,11 @@ class AbstractPrograms:
         rows = self.B if rows is None else rows
         key = jax.ShapeDtypeStruct((2,), jnp.uint32)
         if self.mesh is None:
-            return jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
+            return jax.eval_shape(lambda k: self.layout.empty(rows, k, split_rows), key)
         with jax.set_mesh(self.mesh):
-            shapes = jax.eval_shape(lambda k: self._empty(rows, k, split_rows), key)
+            shapes = jax.eval_shape(lambda k: self.layout.empty(rows, k, split_rows), key)
         return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
-                            self.state_shardings(rows, split_rows))
-
-    def prefill_buckets(self) -> list[int]:
-        """Every prompt width `prefill` can compile (prompts are 1 .. max_seq_len - 1 tokens)."""
-        return sorted({bucket_length(n, self.cfg.min_prefill_bucket, self.S) for n in range(1, self.S)})
-
-    EXTEND_MIN_BUCKET = 4
-    """Narrowest extend width: a continuation is its last sampled token and an observation, often a few tokens,
-    and an extend costs a weight read plus its computed tokens, padding included (`benchmarks/extend_cost.py`, 8
-    layers x 512 on a CPU: 8.1 ms + 0.31 ms a token), so every padded column costs what a real one does."""
-
-    def extend_min_bucket(self) -> int:
-        return min(self.EXTEND_MIN_BUCKET, self.cfg.min_prefill_bucket)
-
-    def extend_rows(self, n: int) -> int:
-        """Rows of an extend of n continuations: the next rung of 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and
-        1.5 times them), capped at max_prefill_prompts. At most a third of the rows are padding (powers of two
-        alone: up to half, and 5-7 continuations, what an extend usually takes, paid for 8), for at most twice
-        the programs."""
-        r = 1
-        while r < n:
-            r = r * 3 // 2 if r >= 2 and r & (r - 1) == 0 else (r * 4 // 3 if r > 2 else r + 1)
-        spec = self._data_spec()  # the rows' activations split over the data axes: a multiple of their size
-        axes = () if spec is None else ((spec,) if isinstance(spec, str) else tuple(spec))
-        d = int(np.prod([self.mesh.shape[a] for a in axes]))
-        return min(-(-r // d) * d, self.P)
-
-    def extend_buckets(self) -> list[int]:
-        """Every continuation width `extend` can compile."""
-        return sorted({bucket_length(n, self.extend_min_bucket(), self.S) for n in range(1, self.S)})
+                            self.layout.state_shardings(rows, split_rows))
 
     def _scalar(self, dtype: Any) -> jax.ShapeDtypeStruct:
         sh = None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -85,7 +61,7 @@ class AbstractPrograms:
         """The decode loop with row substitution (`decode_and_swap`), lowered on abstract inputs. `params`: other
         abstract weights to decode with (e.g. `abstract_params_with_lora`, the unmerged-adapter alternative)."""
         params = self.abstract_params() if params is None else params
-        return self._lower(self._decode, (params, self.abstract_state(), *self._decode_inputs()))
+        return self._lower(self.programs.decode, (params, self.abstract_state(), *self._decode_inputs()))
 
     def _decode_inputs(self) -> tuple:
         """`decode_and_swap`'s inputs after the weights and the state: the prefill batch, the park store (None in a
@@ -118,9 +94,9 @@ class AbstractPrograms:
         """The decode loop as a merge-on-receipt replica runs it: the LoRA base it merges from stays resident beside
         the merged weights, as a donated pass-through, so that the compiled peak counts both copies."""
         base = self.abstract_params()
-        state_sh = self.state_shardings(self.B)
+        state_sh = self.layout.state_shardings(self.B)
         keep_sh = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, base)
-        fn = jax.jit(lambda keep, *args: (self._decode_and_swap(*args), keep), donate_argnums=(0, 2),
+        fn = jax.jit(lambda keep, *args: (self.programs._decode_and_swap(*args), keep), donate_argnums=(0, 2),
                      out_shardings=None if state_sh is None else ((state_sh, None), keep_sh))
         return self._lower(fn, (base, self.abstract_params(), self.abstract_state(), *self._decode_inputs()))
 
@@ -137,7 +113,7 @@ class AbstractPrograms:
         if not self.Q:
             raise ValueError("the park program belongs to multi-turn engines (inference.max_turns > 1)")
         i32 = lambda: self._scalar(jnp.int32)  # noqa: E731
-        return self._lower(self._park_prog, (self.abstract_state().kv, self.abstract_park(), i32(), i32()))
+        return self._lower(self.parking.park, (self.abstract_state().kv, self.abstract_park(), i32(), i32()))
 
     def abstract_park(self) -> KVCache:
         """ShapeDtypeStructs of the park store, on its layout."""
@@ -154,14 +130,14 @@ class AbstractPrograms:
         rows = self.P if rows is None else rows
         args = (self.abstract_params(), self.abstract_park(), i32((rows,)), i32((rows, bucket)), i32((rows,)),
                 i32((rows,)), self._scalar(jnp.int32))
-        return self._lower(self._extend, args)
+        return self._lower(self.parking.extend, args)
 
     def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
         """The prefill program for prompts padded to `bucket` tokens, lowered on abstract inputs."""
         sh = None if self.mesh is None else NamedSharding(self.mesh, P())
         args = (self.abstract_params(), jax.ShapeDtypeStruct((self.P, bucket), jnp.int32, sharding=sh),
                 jax.ShapeDtypeStruct((self.P,), jnp.int32, sharding=sh), self._scalar(jnp.int32))
-        return self._lower(self._prefill, args)
+        return self._lower(self.programs.prefill, args)
 
     def _lower(self, fn: Any, args: tuple) -> jax.stages.Lowered:
         if self.mesh is None:

@@ -1,4 +1,4 @@
-"""The park store of a multi-turn replica and the programs that move rows through it, mixed into `DecodePrograms`.
+"""The park store of a multi-turn replica (`ParkStore`) and the programs that move rows through it (`ParkPrograms`).
 
 A row that ends its turn leaves its keys and values in a park row while its environment steps, so its decode slot
 serves another row meanwhile. It comes back one of two ways:
@@ -12,25 +12,29 @@ Single-turn engines have no park store and compile none of this.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from asyncrl.inference.layout import Layout
 from asyncrl.inference.state import DecodeState
 from asyncrl.models import kvcache
 from asyncrl.models.kvcache import KVCache
 
 
 class ParkPrograms:
-    """Needs `DecodePrograms`' `cfg`, `model`, `mesh`, `cpu`, `S`, `B`, `P`, `Q`, `F`, `kv_dtype`, `_data_spec`,
-    `state_shardings` and `_empty`."""
+    """The jitted `park` and `extend` of one multi-turn replica (its `layout`), and the continuation that `decode`
+    fills a free slot from (`_continuation`, traced inside `DecodePrograms.decode`)."""
 
-    def park_shardings(self) -> KVCache | None:
-        """Layouts of the park store: its rows replicated over the data axis, like a prefill batch's, so any device
-        can take a parked row into its part of the decode batch."""
-        return None if self.mesh is None else self.state_shardings(self.Q, split_rows=False).kv
+    def __init__(self, layout: Layout):
+        self.layout, self.cfg, self.model, self.mesh = layout, layout.cfg, layout.model, layout.mesh
+        self.S, self.B, self.P, self.Q, self.F = layout.S, layout.B, layout.P, layout.Q, layout.F
+        self.park = jax.jit(self._park_fn, donate_argnums=(1,), out_shardings=layout.park_shardings())
+        self.extend = jax.jit(self._extend_fn, out_shardings=layout.state_shardings(self.P, split_rows=False))
 
     def _park_fn(self, kv: KVCache, park: KVCache, row: jax.Array, at: jax.Array) -> KVCache:
         """Decode row `row`'s keys, values and length (from the decode state's cache `kv`, only read) into park row
@@ -41,7 +45,7 @@ class ParkPrograms:
         ideal)."""
         sel = jnp.arange(kv.length.shape[0]) == row
         length = jnp.sum(jnp.where(sel, kv.length, 0))
-        spec = self._data_spec()
+        spec = self.layout.data_spec()
         if self.mesh is None or spec is None:
             k, v = kv.k, kv.v
             take = lambda src: jax.lax.dynamic_slice_in_dim(src, row, 1, axis=1)  # noqa: E731  [L, 1, K, S, Dh]
@@ -57,8 +61,8 @@ class ParkPrograms:
 
     def _row_from_split(self, k: Any, v: Any, row: jax.Array, spec: Any) -> tuple[Any, Any]:
         axes = (spec,) if isinstance(spec, str) else tuple(spec)
-        cache_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.B).kv)
-        out_specs = jax.tree.map(lambda ns: ns.spec, self.park_shardings())
+        cache_specs = jax.tree.map(lambda ns: ns.spec, self.layout.state_shardings(self.B).kv)
+        out_specs = jax.tree.map(lambda ns: ns.spec, self.layout.park_shardings())
 
         def local(k_local, v_local, row):
             b_local = jax.tree.leaves(k_local)[0].shape[1]
@@ -93,11 +97,11 @@ class ParkPrograms:
                          length=jnp.where(live, jnp.take(park.length, at), 0))
             if self.mesh is not None:
                 kv = jax.tree.map(lambda x, ns: jax.sharding.reshard(x, ns.spec), kv,
-                                  self.state_shardings(rows, split_rows=False).kv)
+                                  self.layout.state_shardings(rows, split_rows=False).kv)
             _, kv = self.model.apply(params, feed, jnp.where(live, lens, 0), kv, apply_lm_head=False)
             # Laid out as a P-row prefill batch (the rows past `rows` empty), so the one decode program takes it.
             pad = lambda x, axis: jnp.pad(x, [(0, self.P - rows) if a == axis else (0, 0) for a in range(x.ndim)])  # noqa: E731
-            state = self._empty(self.P, jnp.zeros((2,), jnp.uint32), split_rows=False)
+            state = self.layout.empty(self.P, jnp.zeros((2,), jnp.uint32), split_rows=False)
             state.kv = KVCache(k=jax.tree.map(lambda x: pad(x, 1), kv.k), v=jax.tree.map(lambda x: pad(x, 1), kv.v),
                                length=pad(kv.length, 0))
             state.next_token = pad(last, 0)
@@ -118,7 +122,7 @@ class ParkPrograms:
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, at, 1, axis=1)  # noqa: E731
         pos = jnp.arange(self.S)[None, :] - length[:, None]  # [1, S]: index into the feed
         obs = (pos >= 1) & (pos < n)
-        row = self._empty(1, jnp.zeros((2,), jnp.uint32), split_rows=False)
+        row = self.layout.empty(1, jnp.zeros((2,), jnp.uint32), split_rows=False)
         row.kv = KVCache(k=jax.tree.map(take, park.k), v=jax.tree.map(take, park.v), length=length)
         row.next_token = feed[:1]
         row.tokens = jnp.where(obs, jnp.take(feed, jnp.clip(pos, 0, self.F - 1)), row.tokens)
@@ -127,10 +131,44 @@ class ParkPrograms:
             row.limit = jnp.minimum(row.prompt_len + self.cfg.max_new_tokens + 1, self.S)
         return row
 
-    def _new_park(self) -> KVCache:
+    def new_store(self) -> KVCache:
         """The park store, zeroed, on its layout."""
-        make = lambda: kvcache.zeros(self.model.cfg, self.Q, self.S, self.kv_dtype, per_layer=self.cpu)  # noqa: E731
-        if self.mesh is None:
-            return jax.jit(make)()
-        with jax.set_mesh(self.mesh):
-            return jax.jit(make, out_shardings=self.park_shardings())()
+        lay = self.layout
+        make = lambda: kvcache.zeros(self.model.cfg, self.Q, self.S, lay.kv_dtype, per_layer=lay.cpu)  # noqa: E731
+        return lay.jit_on_mesh(make, lay.park_shardings())
+
+
+class ParkStore:
+    """The park store's rows on the host side: its cache on the device (`kv`, made at the first `generate`), the
+    free rows, and the calls that move rows in (`park`) and out (`extend`; the decode call that takes a fed
+    continuation's cache releases its row through the scheduler)."""
+
+    def __init__(self, programs: ParkPrograms):
+        self.programs, self.layout = programs, programs.layout
+        self.kv: KVCache | None = None
+        self.free: list[int] = list(range(programs.Q))[::-1]
+
+    def take(self) -> int:
+        """A free row, or -1 when the store is full."""
+        return self.free.pop() if self.free else -1
+
+    def release(self, row: int) -> None:
+        if row >= 0:
+            self.free.append(row)
+
+    def park(self, decode_kv: KVCache, row: int, at: int) -> None:
+        """Decode row `row`'s cache into park row `at`."""
+        self.kv = self.layout.run(self.programs.park, np.int32(row), np.int32(at), device=(decode_kv, self.kv))
+
+    def extend(self, params: Any, version: int, parks: Sequence[int], feeds: Sequence[np.ndarray]) -> DecodeState:
+        """One `extend` call: park rows `parks` continued by `feeds` (each the turn's last sampled token, then the
+        observation). Rows come in rungs of `extend_rows`; the feed but its last token is padded to an
+        `extend_buckets` width, and the last token is passed apart (it is fed by the first decode step)."""
+        lay = self.layout
+        rows = lay.extend_rows(len(parks))
+        toks, lens = lay.padded([f[:-1] for f in feeds], rows, lay.extend_min_bucket())
+        idx = np.full((rows,), -1, np.int32)
+        idx[: len(parks)] = parks
+        last = np.zeros((rows,), np.int32)
+        last[: len(feeds)] = [f[-1] for f in feeds]
+        return lay.run(self.programs.extend, idx, toks, lens, last, np.int32(version), device=(params, self.kv))

@@ -1,23 +1,15 @@
-"""One replica's device programs: bucketed prefill and the decode loop with row substitution, their state
-layouts, and their abstract (ahead-of-time) lowering. `engine.Engine` drives them from the host.
+"""One replica's decode programs: bucketed prefill and the decode loop with row substitution. `engine.Engine`
+drives them from the host (`scheduler.py`); `lowering.py` lowers them from abstract values.
 
 - `prefill`, memoized per power-of-two prompt bucket (at most log2(max_seq_len) programs);
-- `decode_and_swap`, compiled once: puts the next queued (prompt, sample) row into a free slot, runs decode steps
-  in a `lax.while_loop` until some live row stops (or `inference.decode_chunk_steps` pass), takes that row out,
-  and puts the queued row in its place if no slot was free. The state is donated.
+- `decode`, compiled once (`_decode_and_swap`): puts the next queued (prompt, sample) row into a free slot, runs
+  decode steps in a `lax.while_loop` until some live row stops (or `inference.decode_chunk_steps` pass), takes that
+  row out, and puts the queued row in its place if no slot was free. The state is donated.
 
-Multi-turn engines (`inference.max_turns` > 1) add two programs and a park store (`parking.py`), where a row that
-ends its turn leaves its cache while its environment steps:
-- `park`: copies the cache of the row `decode_and_swap` just took out into a free park row. A multi-turn engine
-  runs `decode_and_swap` without a substitution when its batch is full (the row comes out and its slot stays free),
-  parks the row, and fills the slot at the start of its next call. Parking inside `decode_and_swap` made XLA copy
-  the whole decode cache on every call (measured: 36-45 ms a call on an 8 layer model, 0.4 ms for this program);
-- `extend`, memoized per power-of-two width (from 4) and rung of rows (`extend_rows`), for continuations longer
-  than `inference.decode_feed_tokens`: appends each one's tokens to its parked cache, and its rows go back into
-  the decode batch like prefilled prompts.
-A shorter continuation needs no program of its own: `decode_and_swap` fills the free slot straight from its park row
-and its decode steps feed the continuation a token a step (`_decode_step`, "feeding"), while the other rows decode.
-Single-turn engines compile exactly the two programs above.
+Multi-turn engines (`inference.max_turns` > 1) add the park store's programs (`parking.py`: `park` and `extend`). A
+short continuation needs no program of its own: `decode` fills the free slot straight from its park row
+(`ParkPrograms._continuation`) and its decode steps feed the continuation a token a step (`_decode_step`,
+"feeding"), while the other rows decode. Single-turn engines compile exactly the two programs above.
 """
 
 from __future__ import annotations
@@ -27,124 +19,44 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.forcing import force_end_of_think, force_eos
-from asyncrl.inference.lowering import AbstractPrograms
+from asyncrl.inference.layout import Layout
 from asyncrl.inference.parking import ParkPrograms
 from asyncrl.inference.sampling import sample
 from asyncrl.inference.state import DecodeState, FinishedRow, deactivate_row, insert_row, pack_row
-from asyncrl.models import kvcache
 from asyncrl.models.kvcache import KVCache
-from asyncrl.models.tokenizer import Tokenizer
-from asyncrl.models.transformer import Model
 
 
-class DecodePrograms(ParkPrograms, AbstractPrograms):
-    """The jitted prefill and decode programs of one replica over `mesh` (None = default device)."""
+class DecodePrograms:
+    """The jitted `prefill` and `decode` of one replica (its `layout`); `parking`: the park store's programs of a
+    multi-turn replica (None: single-turn), whose continuations `decode` can fill a free slot from."""
 
-    def __init__(self, model: Model, cfg: InferenceConfig, tokenizer: Tokenizer | None, *, eos_id: int | None = None,
-                 pad_id: int = 0, mesh: Mesh | None = None, seed: int = 0, substitute: str = "auto",
-                 stop: Sequence[Sequence[int]] = ()):
+    def __init__(self, layout: Layout, parking: ParkPrograms | None, *, eos_id: int, seed: int = 0,
+                 substitute: str = "auto", stop: Sequence[Sequence[int]] = (), phrase: list[int] | None = None):
         """`stop`: token sequences that end a row's turn like EOS does (a tool call's closing tag); the sequence's
-        tokens stay in the completion as sampled."""
-        self.model, self.cfg, self.tokenizer, self.mesh = model, cfg, tokenizer, mesh
-        self.eos_id = eos_id if eos_id is not None else tokenizer.eos_id  # type: ignore[union-attr]
-        self.pad_id = tokenizer.pad_id if tokenizer is not None else pad_id
-        self.S = cfg.max_seq_len
-        self.B = cfg.max_decode_batch_size
-        self.P = cfg.max_prefill_prompts
-        self.Q = cfg.parked_rows
-        self.F = max(cfg.decode_feed_tokens, 1)  # the feed vector a decode call takes (its width is fixed)
-        self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype)
+        tokens stay in the completion as sampled. `phrase`: the think phrase forced at the reasoning budget."""
+        self.layout, self.parking, self.eos_id, self.phrase = layout, parking, eos_id, phrase
+        self.cfg, self.model, self.mesh = layout.cfg, layout.model, layout.mesh
+        self.S, self.B, self.P, self.Q, self.F = layout.S, layout.B, layout.P, layout.Q, layout.F
         self.stop = [tuple(int(t) for t in seq) for seq in stop if len(seq)]
-        self.phrase: list[int] | None = self._think_phrase() if cfg.reasoning_budget is not None else None
         self._seed = seed
         self._substitute = substitute
-        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-        self.cpu = all(d.platform == "cpu" for d in devices)
-        """On the CPU a replica decodes with per-layer weights and a per-layer KV cache (tuples of arrays, one per
-        layer, looped over in Python): XLA:CPU copies a layer's slice out of stacked arrays before every matmul
-        that reads it. Other backends keep the stacked trees and the layer scan (TPU reads the slice in place)."""
-        flash = cfg.prefill_attention == "flash" or (cfg.prefill_attention == "auto" and devices[0].platform == "tpu")
-        self.model = model = model.with_flash(flash)  # the prefill's (cached attention never uses the kernel)
         # Pinned output shardings keep the donated state's layout fixed across calls (no silent relayouts).
-        state_sh = self.state_shardings(self.B)
-        self._decode = jax.jit(
+        state_sh = layout.state_shardings(self.B)
+        self.decode = jax.jit(
             self._decode_and_swap, donate_argnums=(1,),
             out_shardings=None if state_sh is None else (state_sh, None),
         )
-        self._prefill = jax.jit(self._prefill_fn, out_shardings=self.state_shardings(self.P, split_rows=False))
-        if self.Q:
-            park_sh = self.park_shardings()
-            self._park_prog = jax.jit(self._park_fn, donate_argnums=(1,), out_shardings=park_sh)
-            self._extend = jax.jit(self._extend_fn, out_shardings=self.state_shardings(self.P, split_rows=False))
+        self.prefill = jax.jit(self._prefill_fn, out_shardings=layout.state_shardings(self.P, split_rows=False))
 
-    def _think_phrase(self) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("inference.reasoning_budget needs a tokenizer to encode inference.think_phrase")
-        ids = self.tokenizer.encode(self.cfg.think_phrase)
-        eot = self.tokenizer.end_of_think_id
-        if eot is None or not ids or ids[-1] != eot:
-            raise ValueError(
-                f"inference.think_phrase={self.cfg.think_phrase!r} must end with the tokenizer's end-of-think token"
-                f" (id {eot}); this tokenizer has {'none' if eot is None else 'a different last token'}"
-            )
-        if len(ids) > self.cfg.reasoning_budget:  # type: ignore[operator]
-            raise ValueError(f"inference.think_phrase is {len(ids)} tokens, longer than inference.reasoning_budget")
-        return ids
-
-    # ---- shardings ------------------------------------------------------------------------------------------
-
-    def _data_spec(self) -> Any:
-        rules = self.model.rules
-        if self.mesh is None or rules is None:
-            return None
-        axes = tuple(a for a in rules.mesh_axes("batch") if a in self.mesh.axis_names)
-        return None if not axes else (axes[0] if len(axes) == 1 else axes)
-
-    def state_shardings(self, rows: int, split_rows: bool = True) -> DecodeState | None:
-        """Layouts of a state with `rows` rows. The decode batch splits rows over the data axis; a prefill batch
-        (split_rows=False) is replicated over it so any device can copy any prompt row locally."""
-        if self.mesh is None:
-            return None
-        m, b = self.mesh, (self._data_spec() if split_rows else None)
-        kv = self.model.kv_cache_sharding(m, rows, self.S, self.kv_dtype, per_layer=self.cpu)
-        if not split_rows:
-            kv = jax.tree.map(lambda ns: NamedSharding(m, P(*[None if i == 1 else e for i, e in enumerate(ns.spec)])), kv)
-            kv.length = NamedSharding(m, P(None))
-        ns = lambda *spec: NamedSharding(m, P(*spec))  # noqa: E731
-        return DecodeState(
-            next_token=ns(b), kv=kv, key=ns(), row_key=ns(b, None), tokens=ns(b, None), logprobs=ns(b, None), forced=ns(b, None),
-            versions=ns(b, None), prompt_len=ns(b), limit=ns(b), slot=ns(b), active=ns(b), stop=ns(b), end_of_think=ns(b),
-            steps=ns(),
-        )
+    def new_state(self) -> DecodeState:
+        """The decode state, empty, on its layout."""
+        return self.layout.jit_on_mesh(lambda k: self.layout.empty(self.B, k), self.layout.state_shardings(self.B),
+                                       jax.random.PRNGKey(self._seed))
 
     # ---- compiled functions ---------------------------------------------------------------------------------
-
-    def _empty(self, rows: int, key: jax.Array, split_rows: bool = True) -> DecodeState:
-        state = DecodeState(
-            next_token=jnp.zeros((rows,), jnp.int32),
-            kv=kvcache.zeros(self.model.cfg, rows, self.S, self.kv_dtype, per_layer=self.cpu),
-            key=key,
-            row_key=jnp.zeros((rows, 2), jnp.uint32),
-            tokens=jnp.full((rows, self.S), self.pad_id, jnp.int32),
-            logprobs=jnp.zeros((rows, self.S), jnp.float32),
-            forced=jnp.zeros((rows, self.S), jnp.bool_),
-            versions=jnp.zeros((rows, self.S), jnp.int32),
-            prompt_len=jnp.zeros((rows,), jnp.int32),
-            limit=jnp.full((rows,), self.S, jnp.int32),
-            slot=jnp.full((rows,), -1, jnp.int32),
-            active=jnp.zeros((rows,), jnp.bool_),
-            stop=jnp.zeros((rows,), jnp.bool_),
-            end_of_think=jnp.zeros((rows,), jnp.bool_),
-            steps=jnp.zeros((), jnp.int32),
-        )
-        sh = self.state_shardings(rows, split_rows) if self.mesh is not None else None
-        if sh is not None:  # created directly in the target layout (no replicated intermediate)
-            state = jax.tree.map(lambda x, s: jax.sharding.reshard(x, s.spec), state, sh)
-        return state
 
     def _prefill_fn(self, params: Any, tokens: jax.Array, lens: jax.Array, version: jax.Array) -> DecodeState:
         """tokens [P, W] right-padded prompts. Caches all but the last prompt token, which becomes next_token.
@@ -153,7 +65,7 @@ class DecodePrograms(ParkPrograms, AbstractPrograms):
         decode step must not hide that the prompt's cache is older than every sampled token."""
         with jax.named_scope("prefill"):
             rows, width = tokens.shape
-            state = self._empty(rows, jnp.zeros((2,), jnp.uint32), split_rows=False)
+            state = self.layout.empty(rows, jnp.zeros((2,), jnp.uint32), split_rows=False)
             kv = state.kv
             _, kv = self.model.prefill(params, tokens, jnp.maximum(lens - 1, 0), kv)
             last = jnp.take_along_axis(tokens, jnp.maximum(lens - 1, 0)[:, None], axis=1)[:, 0]
@@ -253,8 +165,9 @@ class DecodePrograms(ParkPrograms, AbstractPrograms):
                 # Its own conditional, after the prefill's. Nested in it, XLA copied the whole decode cache on every
                 # call for the Llama 3.1-8B preset (22 GB, 50 ms a call against 16); choosing the source row first
                 # and inserting it once copied that row twice (1.2 GB more a call for Qwen3-8B).
-                s = jax.lax.cond(fill & (at >= 0), lambda s: self._insert(
-                    s, self._continuation(park, at, feed, feed_len), 0, free_row, slot, row_key), lambda s: s, s)
+                continuation = lambda s: self._insert(  # noqa: E731
+                    s, self.parking._continuation(park, at, feed, feed_len), 0, free_row, slot, row_key)
+                s = jax.lax.cond(fill & (at >= 0), continuation, lambda s: s, s)
 
         cond = lambda s: (jnp.any(s.active) & ~jnp.any(s.active & s.stop) & ~(more & jnp.any(~s.active))  # noqa: E731
                           & (s.steps - steps0 < max_steps))
@@ -271,7 +184,9 @@ class DecodePrograms(ParkPrograms, AbstractPrograms):
         def take(x: jax.Array) -> jax.Array:
             # A masked reduction over rows rather than a dynamic slice: valid whatever the rows' sharding.
             m = sel.reshape((-1,) + (1,) * (x.ndim - 1))
-            return jnp.any(m & x, axis=0) if x.dtype == jnp.bool_ else jnp.sum(jnp.where(m, x, 0), axis=0).astype(x.dtype)
+            if x.dtype == jnp.bool_:
+                return jnp.any(m & x, axis=0)
+            return jnp.sum(jnp.where(m, x, 0), axis=0).astype(x.dtype)
 
         length = take(s.kv.length) + 1
         finished = FinishedRow(
@@ -291,7 +206,7 @@ class DecodePrograms(ParkPrograms, AbstractPrograms):
 
     def _insert(self, s: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.Array, slot: jax.Array,
                 row_key: jax.Array) -> DecodeState:
-        spec = self._data_spec()
+        spec = self.layout.data_spec()
         if self.mesh is None or spec is None:
             return insert_row(s, prefill, p, row, slot, row_key)
         if self._substitute == "naive":
@@ -299,17 +214,18 @@ class DecodePrograms(ParkPrograms, AbstractPrograms):
             # everywhere, scatter back. Kept for the benchmark against the shard_map version.
             full = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), s)
             out = insert_row(full, prefill, p, row, slot, row_key)
-            return jax.tree.map(lambda x, ns: jax.sharding.reshard(x, ns.spec), out, self.state_shardings(self.B))
+            return jax.tree.map(lambda x, ns: jax.sharding.reshard(x, ns.spec), out,
+                                self.layout.state_shardings(self.B))
         return self._insert_shard_map(s, prefill, p, row, slot, row_key)
 
     def _insert_shard_map(self, s, prefill, p, row, slot, row_key):
         """SPMD substitution that only touches the device holding `row` (the blog's fix: XLA's choice
         all-gathers the KV cache, substitutes everywhere and scatters back)."""
-        mesh, spec = self.mesh, self._data_spec()
+        mesh, spec = self.mesh, self.layout.data_spec()
         axes = (spec,) if isinstance(spec, str) else tuple(spec)
-        state_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(self.B))
+        state_specs = jax.tree.map(lambda ns: ns.spec, self.layout.state_shardings(self.B))
         rows = prefill.next_token.shape[0]  # a prefill or extend batch, or one continuation row
-        prefill_specs = jax.tree.map(lambda ns: ns.spec, self.state_shardings(rows, split_rows=False))
+        prefill_specs = jax.tree.map(lambda ns: ns.spec, self.layout.state_shardings(rows, split_rows=False))
 
         def local(s_local, prefill_local, p, row, slot, row_key):
             b_local = s_local.next_token.shape[0]
@@ -323,11 +239,3 @@ class DecodePrograms(ParkPrograms, AbstractPrograms):
         return jax.shard_map(
             local, mesh=mesh, in_specs=(state_specs, prefill_specs, P(), P(), P(), P()), out_specs=state_specs,
         )(s, prefill, p, row, slot, row_key)
-
-    def _new_state(self) -> DecodeState:
-        key = jax.random.PRNGKey(self._seed)
-        sh = self.state_shardings(self.B)
-        if self.mesh is None:
-            return jax.jit(lambda k: self._empty(self.B, k))(key)
-        with jax.set_mesh(self.mesh):
-            return jax.jit(lambda k: self._empty(self.B, k), out_shardings=sh)(key)

@@ -71,7 +71,8 @@ class ReplicaSet:
             mesh = spmd_mesh(devices, cfg.tp)
             dp = mesh.shape["dp"]
             if cfg.max_decode_batch_size % dp != 0:
-                raise ValueError(f"inference.max_decode_batch_size={cfg.max_decode_batch_size} must divide over dp={dp}")
+                raise ValueError(
+                    f"inference.max_decode_batch_size={cfg.max_decode_batch_size} must divide over dp={dp}")
             m = model.with_rules(tensor_parallel_rules("tp", data_axis="dp"))
             self.engines.append(Engine(m, params, cfg, tokenizer, eos_id=eos_id, mesh=mesh, seed=seed, version=version,
                                        name=f"{name}/spmd", substitute=substitute, stop=stop))

@@ -1,29 +1,88 @@
-"""The turns of the engine's episodes, mixed into `Engine`: each environment step on a worker thread, its answer
-taken back on the decode thread (`_poll_env`), and the continuations launched back into the decode batch ahead of
-new prompts (`_launch_ready`): fed by decode steps from their parked caches when short, through `extend` from them
-when longer, or, for a cache the park store had no room for, through a prefill of the whole history."""
+"""The driver of the engine's episodes: a finished decode row made a model turn of its episode (`collect`), each
+environment step on a worker thread, its answer taken back on the decode thread (`poll`), and the continuations
+launched back into the decode batch ahead of new prompts (`launch_ready`): fed by decode steps from their parked
+caches when short, through `extend` from them when longer, or, for a cache the park store had no room for, through a
+prefill of the whole history."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
 import numpy as np
 
-from asyncrl.inference.episodes import Continuation, Episode, Fed, Group
-from asyncrl.rollout import StepResult, Turn
+from asyncrl.inference.config import InferenceConfig
+from asyncrl.inference.episodes import Continuation, Episode, Fed, Group, Queued, Stepping, Target
+from asyncrl.inference.parking import ParkStore
+from asyncrl.inference.scheduler import Scheduler
+from asyncrl.inference.state import FinishedRow
+from asyncrl.inference.stats import EngineStats
+from asyncrl.models.tokenizer import Tokenizer
+from asyncrl.rollout import Rollout, StepResult, Turn
 
 log = logging.getLogger(__name__)
 
 
 class EpisodeDriver:
-    """Needs the engine's `cfg`, `S`, `P`, `B`, `name`, `stats`, `_lock`, `params`, `version`, `_park`, `_run`,
-    `_padded`, `_extend`, `extend_min_bucket`, `extend_rows`, `prefill`, `_in_flight` and its host queues
-    (`_stepping`, `_ready`, `_free_park`, `_queue`, `_pool`, `_emit`)."""
+    """The episodes of one replica: queues their next turns on `scheduler` and keeps their caches in `store` (None:
+    a single-turn replica, whose episodes end at their first turn). `emit` receives each finished group."""
+
+    def __init__(self, cfg: InferenceConfig, name: str, stats: EngineStats, scheduler: Scheduler,
+                 store: ParkStore | None, tokenizer: Tokenizer | None, eos_id: int, stop: Sequence[tuple[int, ...]]):
+        self.cfg, self.name, self.stats, self.scheduler, self.store = cfg, name, stats, scheduler, store
+        self.tokenizer, self.eos_id, self.stop = tokenizer, eos_id, stop
+        self.S, self.P, self.B = cfg.max_seq_len, cfg.max_prefill_prompts, cfg.max_decode_batch_size
+        self.stepping: list[Stepping] = []  # episodes whose environment is stepping
+        self.ready: list[Continuation] = []  # episodes whose next turn can go back into the decode batch
+        self.emit: Callable[[Rollout], Any] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.stepping or self.ready)
+
+    # ---- a model turn ---------------------------------------------------------------------------------------
+
+    def parks(self, target: Target) -> bool:
+        """Whether the row of `target` that just finished its turn keeps its cache in the park store while its
+        environment steps: not when no turn can follow this one."""
+        ep = target.episode
+        return self.store is not None and ep.env is not None and ep.turn + 1 < self.cfg.max_turns
+
+    def collect(self, r: FinishedRow, target: Target, park: int) -> None:
+        """A finished row (on the host already, `park` the park row its cache went to or -1): a model turn of its
+        episode, handed to the episode's environment (or, with none, the end of it)."""
+        t0 = time.perf_counter()
+        ep = target.episode
+        pl, n = int(r.prompt_len), int(r.length)
+        toks = np.asarray(r.tokens[pl:n], np.int32)
+        text = self.tokenizer.decode(toks[:-1] if len(toks) and toks[-1] == self.eos_id else toks) \
+            if self.tokenizer else ""
+        finish = "length" if bool(r.hit_length) else ("stop" if self._ends_with_stop(toks) else "eos")
+        ep.add_turn(toks, np.asarray(r.logprobs[pl:n], np.float32), np.asarray(r.forced[pl:n], bool),
+                    np.asarray(r.versions[pl:n], np.int32), text, finish, bool(r.end_of_think),
+                    context_versions=r.versions[:pl])
+        self.stats.finished += 1
+        self.stats.generated_tokens += len(toks)
+        if ep.env is None:
+            self._release(park)
+            ep.end(None)
+            self._maybe_emit(target.group)
+        else:
+            last = ep.turn >= self.cfg.max_turns or n >= self.S - 1
+            turn = Turn(toks, text, ep.turn - 1, finish, last)
+            self.stepping.append(Stepping(self._step(ep, turn), target, park, last))
+        self.stats.detokenize_time += time.perf_counter() - t0
+        self.poll()
+
+    def _ends_with_stop(self, toks: np.ndarray) -> bool:
+        return any(len(toks) >= len(q) and tuple(toks[-len(q):]) == q for q in self.stop)
+
+    # ---- environment steps ----------------------------------------------------------------------------------
 
     def _step(self, ep: Episode, turn: Turn) -> Future:
         """The environment's step, on a worker thread; it records its own duration."""
@@ -37,18 +96,17 @@ class EpisodeDriver:
 
         return self._pool.submit(timed)
 
-    def _poll_env(self) -> None:
+    def poll(self) -> None:
         """Take the environments' answers that have come: end an episode, or ready its next turn."""
         still = []
-        for entry in self._stepping:
-            future, group, k, park, last = entry
-            if not future.done():
-                still.append(entry)
+        for s in self.stepping:
+            if not s.future.done():
+                still.append(s)
                 continue
-            ep = group.episodes[k]
+            group, k, ep = s.target.group, s.target.k, s.target.episode
             self.stats.env_steps += 1
             try:
-                res, dt = future.result()
+                res, dt = s.future.result()
                 ep.env_s += dt
                 self.stats.env_time += dt
             except Exception as e:  # noqa: BLE001 - an environment's failure ends its episode, never the run
@@ -57,15 +115,15 @@ class EpisodeDriver:
                 res = StepResult(None, 0.0, True, reason="env_error", info={"error": repr(e)})
             if res.info:
                 ep.env_info.append(res.info)
-            end = self._end_reason(ep, res, last)
+            end = self._end_reason(ep, res, s.last)
             if end is None:
                 feed = np.concatenate([ep.parts[-1].tokens[-1:], np.asarray(res.observation, np.int32)])
-                self._ready.append(Continuation(group, k, feed, park))
+                self.ready.append(Continuation(group, k, feed, s.park))
             else:
-                self._release(park)
+                self._release(s.park)
                 ep.end(res, end)
                 self._maybe_emit(group)
-        self._stepping = still
+        self.stepping = still
 
     def _end_reason(self, ep: Episode, res: StepResult, last: bool) -> str | None:
         """None to go on; else why the episode ends."""
@@ -84,14 +142,16 @@ class EpisodeDriver:
         return None
 
     def _release(self, park: int) -> None:
-        if park >= 0:
-            self._free_park.append(park)
+        if self.store is not None:
+            self.store.release(park)
 
     def _maybe_emit(self, group: Group) -> None:
-        if group.done and self._emit is not None:
-            self._emit(group.finish())
+        if group.done and self.emit is not None:
+            self.emit(group.finish())
 
-    def _launch_ready(self) -> None:
+    # ---- continuations --------------------------------------------------------------------------------------
+
+    def launch_ready(self) -> None:
         """Continuations back into the decode batch, ahead of new prompts. One of at most
         `inference.decode_feed_tokens` tokens with a parked cache is queued as it is: the decode call that puts it
         in a free slot takes its cache from the park store, and the steps feed its tokens (no extra program, no
@@ -104,53 +164,39 @@ class EpisodeDriver:
         idle; flushing them with it made a third of the extends one-row calls when continuations came in bursts.
         Waiting rows hold their park rows, so nothing waits while fewer than P park rows are free: a turn that ends
         meanwhile must find room, or its episode goes on by a prefill of its whole history."""
-        short = [c.park >= 0 and len(c.feed) <= self.cfg.decode_feed_tokens for c in self._ready]
-        fed = [c for c, s in zip(self._ready, short) if s]
+        short = [c.park >= 0 and len(c.feed) <= self.cfg.decode_feed_tokens for c in self.ready]
+        fed = [c for c, s in zip(self.ready, short) if s]
         if fed:
-            with self._lock:
-                version = self.version
-            self._ready = [c for c, s in zip(self._ready, short) if not s]
+            self.ready = [c for c, s in zip(self.ready, short) if not s]
             for c in fed:
-                c.group.episodes[c.k].add_observation(c.feed[1:], version)  # versions: the row's, at `_collect`
-            self._queue.extendleft(reversed([(Fed(c.park, c.feed), -1, (c.group, c.k)) for c in fed]))
-        while self._ready:
-            if len(self._ready) < self.P and (self._queue or self._in_flight >= self.B) \
-                    and len(self._free_park) >= self.P \
-                    and time.monotonic() - self._ready[0].ready_at < self.cfg.extend_wait_s:
+                c.target.episode.add_observation(c.feed[1:])
+            self.scheduler.queue.extendleft(reversed([Queued(Fed(c.park, c.feed), -1, c.target) for c in fed]))
+        while self.ready:
+            free = len(self.store.free) if self.store is not None else 0
+            if len(self.ready) < self.P and (self.scheduler.queue or self.scheduler.in_flight >= self.B) \
+                    and free >= self.P \
+                    and time.monotonic() - self.ready[0].ready_at < self.cfg.extend_wait_s:
                 return
-            batch, self._ready = self._ready[: self.P], self._ready[self.P :]
-            with self._lock:
-                params, version = self.params, self.version
+            batch, self.ready = self.ready[: self.P], self.ready[self.P :]
+            params, version = self.scheduler.weights.snapshot()
             parked = [c for c in batch if c.park >= 0]
             entries = []
             if parked:
                 t0 = time.perf_counter()
-                state = self._extend_parked(params, version, [c.park for c in parked], [c.feed for c in parked])
+                state = self.store.extend(params, version, [c.park for c in parked], [c.feed for c in parked])
                 jax.block_until_ready(state.kv)
                 self.stats.extend_time += time.perf_counter() - t0
-                self.stats.extra["extend_calls"] = self.stats.extra.get("extend_calls", 0) + 1
-                self.stats.extra["extend_rows"] = self.stats.extra.get("extend_rows", 0) + len(parked)
+                self.stats.extend_calls += 1
+                self.stats.extend_rows += len(parked)
                 for i, c in enumerate(parked):
-                    c.group.episodes[c.k].add_observation(c.feed[1:], version)
+                    c.target.episode.add_observation(c.feed[1:])
                     self._release(c.park)
-                    entries.append((state, i, (c.group, c.k)))
+                    entries.append(Queued(state, i, c.target))
             rest = [c for c in batch if c.park < 0]
             if rest:
                 self.stats.parked_full += len(rest)
                 for c in rest:
-                    c.group.episodes[c.k].add_observation(c.feed[1:], version)
-                state = self.prefill([c.group.episodes[c.k].history(c.group.rollout.prompt_tokens) for c in rest])
-                entries += [(state, i, (c.group, c.k)) for i, c in enumerate(rest)]
-            self._queue.extendleft(reversed(entries))
-
-    def _extend_parked(self, params: Any, version: int, parks: Sequence[int], feeds: Sequence[np.ndarray]) -> Any:
-        """One `extend` call: park rows `parks` continued by `feeds` (each the turn's last sampled token, then the
-        observation). Rows come in rungs of `extend_rows`; the feed but its last token is padded to an
-        `extend_buckets` width, and the last token is passed apart (it is fed by the first decode step)."""
-        rows = self.extend_rows(len(parks))
-        toks, lens = self._padded([f[:-1] for f in feeds], rows, self.extend_min_bucket())
-        idx = np.full((rows,), -1, np.int32)
-        idx[: len(parks)] = parks
-        last = np.zeros((rows,), np.int32)
-        last[: len(feeds)] = [f[-1] for f in feeds]
-        return self._run(self._extend, idx, toks, lens, last, np.int32(version), device=(params, self._park))
+                    c.target.episode.add_observation(c.feed[1:])
+                state = self.scheduler.prefill([c.target.episode.history(c.group.rollout.prompt_tokens) for c in rest])
+                entries += [Queued(state, i, c.target) for i, c in enumerate(rest)]
+            self.scheduler.queue.extendleft(reversed(entries))

@@ -256,7 +256,7 @@ class InferenceWorker:
                             {"t": time.time(), "decode_time_s": s.decode_time, "decode_steps": float(s.decode_steps),
                              "slot_steps": float(s.slot_steps), "prefill_s": s.prefill_time,
                              "prefill_calls": float(s.prefill_calls), "extend_s": s.extend_time,
-                             "fed_tokens": float(s.extra.get("fed_tokens", 0)),  # observation tokens, in slot_steps
+                             "fed_tokens": float(s.fed_tokens),  # observation tokens, in slot_steps
                              "generated_tokens": float(s.generated_tokens), "queue_rpc_s": RPC["seconds"],
                              "queue_rpc_calls": RPC["calls"], "engine_s": s.engine_time,
                              "decode_calls": float(s.calls)})
