@@ -100,7 +100,7 @@ def test_qwen3_chat_trajectories_are_token_exact(qwen3):
             assert history.count("<tool_response>") == 2
     assert checked >= 4 * 24 and drifted > 0, (checked, drifted)
     batch = build_batch(out, LossConfig(max_tokens=64))
-    for b, (r, c) in enumerate((r, c) for r in out for c in r.completions):
+    for b, (r, c) in enumerate((g, c) for g in out for c in g.completions):
         p = len(r.prompt_tokens)
         np.testing.assert_array_equal(batch.loss_mask[b, p:p + len(c.tokens)], ~c.forced)
 
