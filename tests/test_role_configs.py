@@ -105,9 +105,6 @@ def test_a_restart_resumes_in_the_trainers_config():
 
 # A run config's parameters: `cfg`, `*_cfg`, and the model section (`section` in models/sources.py).
 _CONFIG_PARAM = re.compile(r"^(cfg|\w+_cfg|section)$")
-# inference/ is being restructured on another branch (issue #35, part 2): its LoRA config (train.config.LoraConfig,
-# which inference/ may not import) is typed there. Nothing else may be listed here.
-PENDING = {("asyncrl/inference/lowering.py", "lora_cfg")}
 
 
 def _is_any(ann: str | None) -> bool:
@@ -123,8 +120,7 @@ def _scan(source: str, rel: str) -> list[str]:
             a = node.args
             for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
                 ann = ast.unparse(arg.annotation) if arg.annotation is not None else None
-                if _CONFIG_PARAM.match(arg.arg) and _is_any(ann) \
-                        and (rel, arg.arg) not in PENDING:
+                if _CONFIG_PARAM.match(arg.arg) and _is_any(ann):
                     out.append(f"{rel}:{arg.lineno} {getattr(node, 'name', 'lambda')}({arg.arg}: {ann})")
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
                 and _CONFIG_PARAM.match(node.target.id) and _is_any(ast.unparse(node.annotation)):

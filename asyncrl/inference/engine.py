@@ -56,6 +56,7 @@ from asyncrl.inference.state import DecodeState
 from asyncrl.inference.stats import EngineStats
 from asyncrl.inference.turns import EpisodeDriver
 from asyncrl.inference.weights import Weights, place_params
+from asyncrl.models.lora import AdapterSpec
 from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.models.transformer import Model
 from asyncrl.rollout import Environment, Prompt, Rollout
@@ -251,10 +252,10 @@ class Engine:
     def abstract_park(self) -> Any:
         return self.abstract.abstract_park()
 
-    def abstract_lora(self, lora_cfg: Any) -> Any:
+    def abstract_lora(self, lora_cfg: AdapterSpec) -> Any:
         return self.abstract.abstract_lora(lora_cfg)
 
-    def abstract_params_with_lora(self, lora_cfg: Any) -> Any:
+    def abstract_params_with_lora(self, lora_cfg: AdapterSpec) -> Any:
         return self.abstract.abstract_params_with_lora(lora_cfg)
 
     def lower_prefill(self, bucket: int) -> jax.stages.Lowered:
@@ -266,7 +267,7 @@ class Engine:
     def lower_decode_keeping_base(self) -> jax.stages.Lowered:
         return self.abstract.lower_decode_keeping_base()
 
-    def lower_lora_merge(self, lora_cfg: Any) -> jax.stages.Lowered:
+    def lower_lora_merge(self, lora_cfg: AdapterSpec) -> jax.stages.Lowered:
         return self.abstract.lower_lora_merge(lora_cfg)
 
     def lower_park(self) -> jax.stages.Lowered:

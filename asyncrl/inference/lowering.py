@@ -76,7 +76,7 @@ class AbstractPrograms:
 
     # ---- LoRA (train.lora): what inference does with adapters ----------------------------------------------
 
-    def abstract_lora(self, lora_cfg: Any) -> Any:
+    def abstract_lora(self, lora_cfg: lora_lib.AdapterSpec) -> Any:
         """The adapters as a sync delivers them (inference.params_dtype), on this replica's layout."""
         dtype = jnp.dtype(self.cfg.params_dtype)
         shapes = lora_lib.shapes(self.model.cfg, lora_cfg.rank, lora_cfg.targets, dtype)
@@ -86,7 +86,7 @@ class AbstractPrograms:
                                 self.model.rules or ShardingRules(), dtype)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, sh)
 
-    def abstract_params_with_lora(self, lora_cfg: Any) -> Any:
+    def abstract_params_with_lora(self, lora_cfg: lora_lib.AdapterSpec) -> Any:
         """The weights with unmerged adapters attached (`lora.attach`): stacked layouts only (not the CPU one)."""
         return lora_lib.attach(self.abstract_params(), self.abstract_lora(lora_cfg), lora_cfg.scale)
 
@@ -100,7 +100,7 @@ class AbstractPrograms:
                      out_shardings=None if state_sh is None else ((state_sh, None), keep_sh))
         return self._lower(fn, (base, self.abstract_params(), self.abstract_state(), *self._decode_inputs()))
 
-    def lower_lora_merge(self, lora_cfg: Any) -> jax.stages.Lowered:
+    def lower_lora_merge(self, lora_cfg: lora_lib.AdapterSpec) -> jax.stages.Lowered:
         """Merge-on-receipt, once per sync: the kept base plus alpha/r A B, cast back to the decode dtype."""
         dtype, scale = jnp.dtype(self.cfg.params_dtype), lora_cfg.scale
         base = self.abstract_params()

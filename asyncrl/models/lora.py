@@ -19,8 +19,9 @@ from __future__ import annotations
 import math
 import re
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,20 @@ from asyncrl.sharding.rules import ShardingRules, tree_shardings
 TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
 # Contracted (input) dims of each LayerParams matrix, after a stacked leading [L]: wo [H, Dh, D] contracts (H, Dh);
 # the others contract their first. (The CPU decode layout, `dense.cpu_decode_layer`, reads it too.)
+class AdapterSpec(Protocol):
+    """What the model's programs need of a LoRA config: the adapters' rank, targets and output scale.
+    `train.config.LoraConfig` is one; a protocol, so that inference/ (which may not import train/) types it."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def targets(self) -> Sequence[str]: ...
+
+    @property
+    def scale(self) -> float: ...
+
+
 N_IN = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 # The torch module each field is in a Hugging Face Llama/Qwen3 model (PEFT's keys follow them).
 HF_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
