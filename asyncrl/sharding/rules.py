@@ -38,6 +38,7 @@ LOGICAL_AXES = (
     "seq",  # positions
     "cache_seq",  # KV-cache positions
     "lora_rank",  # a LoRA adapter's rank r (models/lora.py): small, never split
+    "expert",  # a mixture-of-experts layer's experts E (models/moe.py): expert parallelism
 )
 
 
@@ -60,6 +61,7 @@ class ShardingRules:
     seq: MeshAxes = None
     cache_seq: MeshAxes = None
     lora_rank: MeshAxes = None
+    expert: MeshAxes = None
     min_bytes: int = 0
     """Leaves smaller than this are replicated: sharding a tiny norm scale only adds collective latency."""
 
