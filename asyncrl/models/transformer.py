@@ -92,9 +92,6 @@ class Model:
     def _batch_axes(self, mesh) -> tuple[str, ...]:
         return tuple(a for a in (self.rules or ShardingRules()).mesh_axes("batch") if a in mesh.axis_names)
 
-    def _data_axes(self, mesh) -> set[str]:
-        return set(self._batch_axes(mesh))
-
     def seq_axes(self, mesh: Any = None) -> tuple[str, ...]:
         """Mesh axes that split the sequence of a cache-free forward: the rules' "seq" axes of size > 1.
 
@@ -126,7 +123,7 @@ class Model:
         if mesh is None or w is None:
             return w
         spec = jax.typeof(w).sharding.spec
-        new = P(*[drop_axes(e, self._data_axes(mesh)) for e in spec])
+        new = P(*[drop_axes(e, set(self._batch_axes(mesh))) for e in spec])
         if tuple(new) == tuple(spec):
             return w
         if summed:
@@ -190,8 +187,8 @@ class Model:
         """[B, T] ids -> [B, T, D] rows of the table, in the activation layout."""
         if mesh is None:
             return jnp.take(embed, x, axis=0)
-        return embedding.lookup(self._use(embed, (*self._batch_axes(mesh), *seq)), x, mesh, self._act_spec(mesh, 2, seq),
-                                self._act_spec(mesh, 3, seq))
+        return embedding.lookup(self._use(embed, (*self._batch_axes(mesh), *seq)), x, mesh,
+                                self._act_spec(mesh, 2, seq), self._act_spec(mesh, 3, seq))
 
     def _forward(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None,
                  apply_lm_head: bool, attend_cache: bool) -> tuple[jax.Array, KVCache | None]:
@@ -263,7 +260,8 @@ class Model:
                     o = cached_attention(q, k, v, kv_cache.k, kv_cache.v, index, start, sequence_lens, self.kv_block)
                 else:  # a prefill, causal over its own tokens (flash: no [T, T] scores in HBM)
                     flash = self.flash and block_size(T) is not None
-                    o = flash_attention_train(q, k, v, sequence_lens) if flash else attention(q, k, v, own_pos, sequence_lens)
+                    o = (flash_attention_train(q, k, v, sequence_lens) if flash
+                         else attention(q, k, v, own_pos, sequence_lens))
                 h = h + self._contract("bthk,hkd->btd", o, layer.wo, seq)
             h = mlp(h, layer)
             # This call's K/V as [B, K, T, Dh], the cache layout: written once, after the layer loop.
@@ -368,7 +366,8 @@ class Model:
         y = jnp.reshape(y, shape, out_sharding=self._act_spec(mesh, 2, self.seq_axes(mesh)))
         return jax.sharding.reshard(y, self._act_spec(mesh, 2))[:, :-1]
 
-    def get_logprobs(self, params: Params, tokens: jax.Array, seq_lens: jax.Array, temperature: float = 1.0) -> jax.Array:
+    def get_logprobs(self, params: Params, tokens: jax.Array, seq_lens: jax.Array,
+                     temperature: float = 1.0) -> jax.Array:
         """[B, T] tokens -> [B, T-1] log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / temperature).
 
         Positions at or past seq_lens-1 are 0. Temperature semantics: see `asyncrl/inference/sampling.py`."""
