@@ -33,7 +33,7 @@ def make_hf_model(kind: str, seed: int = 0, vocab: int = 160):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    if kind.startswith("qwen3"):
+    if kind in ("qwen3_tied", "qwen3_untied"):
         cfg = Qwen3Config(
             vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=24,  # head_dim independent of hidden/heads, as in Qwen3
@@ -52,6 +52,16 @@ def make_hf_model(kind: str, seed: int = 0, vocab: int = 160):
             eos_token_id=1, bos_token_id=None, pad_token_id=0,
         )
         model = LlamaForCausalLM(cfg)
+    elif kind.startswith("qwen3_moe"):  # "qwen3_moe" (norm_topk_prob) or "qwen3_moe_nonorm"
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=6, num_experts_per_tok=3,
+            mlp_only_layers=[1], norm_topk_prob=(kind == "qwen3_moe"), tie_word_embeddings=False,
+            max_position_embeddings=512, rope_theta=1000000.0, eos_token_id=1, bos_token_id=None, pad_token_id=0,
+        )
+        model = Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(kind)
     # Random init has tiny norms/weights; widen them so logits differ meaningfully between positions.

@@ -3,6 +3,11 @@
 Loading places every leaf straight onto its target sharding with `jax.make_array_from_callback`: each device's
 callback reads only the layers (and the slice) it holds from the memory-mapped safetensors, so the full model
 is never materialized on one device (nor, per leaf, in host memory beyond one layer at a time).
+
+A mixture-of-experts model (Qwen3-MoE) is stored as transformers writes it: per expert,
+`mlp.experts.{e}.{gate,up,down}_proj.weight`, and the router `mlp.gate.weight` [E, D]; our leaves stack the
+experts ([L, E, ...]). Its layers live in two stacks (`Params.layers`: the MoE layers, `Params.dense_layers`:
+the dense-MLP ones), so a stacked entry reads the HF layer indices of its own stack (`_layer_ids`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Entry:
-    """One row of the table. `hf` may contain `{i}` (layer index); the leaf is then stacked over layers."""
+    """One row of the table. `hf` may contain `{i}` (layer index) and `{e}` (expert index); the leaf is then
+    stacked over layers, then experts."""
 
     leaf: str  # dotted path in Params, e.g. "layers.wq"
     hf: str
@@ -89,19 +95,46 @@ TABLE: tuple[Entry, ...] = (
     Entry("layers.w_gate", "model.layers.{i}.mlp.gate_proj.weight", _t, _t),
     Entry("layers.w_up", "model.layers.{i}.mlp.up_proj.weight", _t, _t),
     Entry("layers.w_down", "model.layers.{i}.mlp.down_proj.weight", _t, _t),
+    Entry("layers.moe.router", "model.layers.{i}.mlp.gate.weight", _t, _t),
+    Entry("layers.moe.w_gate", "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", _t, _t),
+    Entry("layers.moe.w_up", "model.layers.{i}.mlp.experts.{e}.up_proj.weight", _t, _t),
+    Entry("layers.moe.w_down", "model.layers.{i}.mlp.experts.{e}.down_proj.weight", _t, _t),
     Entry("final_norm", "model.norm.weight", _same, _same),
     Entry("lm_head", "lm_head.weight", _t, _t),
 )
+# A MoE model's dense-MLP layers: the same per-layer rows, read into `dense_layers`.
+TABLE += tuple(Entry("dense_" + e.leaf, e.hf, e.to_ours, e.to_hf) for e in TABLE
+               if e.leaf.startswith("layers.") and not e.leaf.startswith("layers.moe."))
 
 
 def _get_leaf(tree: Any, dotted: str) -> Any:
     for part in dotted.split("."):
-        tree = getattr(tree, part)
+        tree = None if tree is None else getattr(tree, part)
     return tree
 
 
 def _stacked(e: Entry) -> bool:
     return "{i}" in e.hf
+
+
+def _lead(e: Entry) -> int:
+    """How many leading leaf dims index HF tensors: 0, 1 (layers) or 2 (layers, experts)."""
+    return int("{i}" in e.hf) + int("{e}" in e.hf)
+
+
+def _layer_ids(e: Entry, cfg: ModelConfig) -> tuple[int, ...]:
+    """The HF layer index of each row of a stacked leaf."""
+    if e.leaf.startswith("dense_layers."):
+        return cfg.dense_layers
+    return cfg.sparse_layers if cfg.is_moe else tuple(range(cfg.num_layers))
+
+
+def _names(e: Entry, cfg: ModelConfig) -> list[str]:
+    """Every HF tensor of a leaf, in its rows' order."""
+    if not _stacked(e):
+        return [e.hf]
+    experts = range(cfg.num_experts) if "{e}" in e.hf else [None]
+    return [e.hf.format(i=i, e=x) for i in _layer_ids(e, cfg) for x in experts]
 
 
 def _active_entries(cfg: ModelConfig) -> list[tuple[Entry, ParamSpec]]:
@@ -110,7 +143,7 @@ def _active_entries(cfg: ModelConfig) -> list[tuple[Entry, ParamSpec]]:
 
 
 def _hf_shape(e: Entry, spec: ParamSpec, cfg: ModelConfig) -> tuple[int, ...]:
-    layer_shape = spec.shape[1:] if _stacked(e) else spec.shape
+    layer_shape = spec.shape[_lead(e):]
     return e.to_hf(np.empty(layer_shape, np.uint8), cfg).shape
 
 
@@ -150,7 +183,8 @@ class _TensorIndex:
             raise CheckpointError(f"{os.path.join(self.folder, where)}: tensor {name!r} is missing")
         got = self.file(name).shape(name)
         if tuple(got) != tuple(expected):
-            raise CheckpointError(f"{self.where[name]}: tensor {name!r} has shape {tuple(got)}, expected {tuple(expected)}")
+            raise CheckpointError(f"{self.where[name]}: tensor {name!r} has shape {tuple(got)}, "
+                                  f"expected {tuple(expected)}")
 
 
 def from_pretrained(
@@ -170,39 +204,42 @@ def from_pretrained(
     entries = _active_entries(cfg)
     # Validate everything before reading any bytes: a bad checkpoint fails in milliseconds, not mid-load.
     for e, spec in entries:
-        names = [e.hf.format(i=i) for i in range(cfg.num_layers)] if _stacked(e) else [e.hf]
-        for n in names:
+        for n in _names(e, cfg):
             index.check(n, _hf_shape(e, spec, cfg))
     np_dtype = np.dtype(jnp.dtype(dtype))
     shardings = model.param_shardings(mesh, dtype) if mesh is not None else None
     leaves: dict[str, jax.Array] = {}
     for e, spec in entries:
         # Without a mesh: this process's first device (jax.devices()[0] belongs to process 0 in a multi-host job).
-        sharding = _get_leaf(shardings, e.leaf) if shardings is not None else SingleDeviceSharding(jax.local_devices()[0])
+        sharding = (_get_leaf(shardings, e.leaf) if shardings is not None
+                    else SingleDeviceSharding(jax.local_devices()[0]))
         leaves[e.leaf] = _load_leaf(index, e, spec, cfg, sharding, np_dtype)
-    tree = jax.tree.map(lambda s: None, params_lib.abstract(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
-    return model, _fill(tree, leaves)
+    return model, _fill(params_lib.abstract(cfg), leaves)
 
 
-def _load_leaf(index: _TensorIndex, e: Entry, spec: ParamSpec, cfg: ModelConfig, sharding: Any, np_dtype: np.dtype) -> jax.Array:
-    def read_layer(i: int | None, rest: tuple[slice, ...]) -> np.ndarray:
-        name = e.hf.format(i=i) if i is not None else e.hf
+def _load_leaf(index: _TensorIndex, e: Entry, spec: ParamSpec, cfg: ModelConfig, sharding: Any,
+               np_dtype: np.dtype) -> jax.Array:
+    def read(name: str, rest: tuple[slice, ...]) -> np.ndarray:
         raw = index.file(name).get(name)
         return np.asarray(e.to_ours(raw, cfg)[rest]).astype(np_dtype)
 
     def callback(idx: tuple[slice, ...]) -> np.ndarray:
-        if not _stacked(e):
-            return read_layer(None, tuple(idx))
-        layers = range(cfg.num_layers)[idx[0]]
-        return np.stack([read_layer(i, tuple(idx[1:])) for i in layers])
+        idx, lead = tuple(idx), _lead(e)
+        if lead == 0:
+            return read(e.hf, idx)
+        layers = _layer_ids(e, cfg)[idx[0]]
+        if lead == 1:
+            return np.stack([read(e.hf.format(i=i), idx[1:]) for i in layers])
+        experts = range(cfg.num_experts)[idx[1]]  # an expert-parallel shard reads only its own experts
+        return np.stack([np.stack([read(e.hf.format(i=i, e=x), idx[2:]) for x in experts]) for i in layers])
 
     return jax.make_array_from_callback(spec.shape, sharding, callback)
 
 
 def _fill(tree: Params, leaves: dict[str, jax.Array]) -> Params:
-    layer_kw = {k.split(".", 1)[1]: v for k, v in leaves.items() if k.startswith("layers.")}
-    layers = params_lib.LayerParams(**{f: layer_kw.get(f) for f in params_lib.LayerParams.__dataclass_fields__})
-    return Params(embed=leaves["embed"], layers=layers, final_norm=leaves["final_norm"], lm_head=leaves.get("lm_head"))
+    """The abstract tree with each ParamSpec replaced by the leaf loaded for its dotted path."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: leaves[jax.tree_util.keystr(path)[1:]], tree,
+                                            is_leaf=lambda x: isinstance(x, ParamSpec))
 
 
 def save_pretrained(
@@ -226,11 +263,9 @@ def save_pretrained(
         arr = to_host(leaf)
         if dtype is not None:
             arr = arr.astype(np.dtype(jnp.dtype(dtype)))
-        if _stacked(e):
-            for i in range(cfg.num_layers):
-                tensors[e.hf.format(i=i)] = e.to_hf(arr[i], cfg)
-        else:
-            tensors[e.hf] = e.to_hf(arr, cfg)
+        rows = arr.reshape(-1, *arr.shape[_lead(e):])  # [layers * experts, ...] in `_names` order
+        for name, row in zip(_names(e, cfg), rows, strict=True):
+            tensors[name] = e.to_hf(row, cfg)
     if jax.process_index() != 0:
         return
     out_dtype = next(iter(tensors.values())).dtype
@@ -255,7 +290,8 @@ def save_pretrained(
         json.dump(cfg.to_hf_dict(torch_dtype), f, indent=2)
     if copy_files_from:
         for fname in os.listdir(copy_files_from):
-            if fname.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab", "merges")):
+            if fname.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template", "vocab",
+                                 "merges")):
                 shutil.copy(os.path.join(copy_files_from, fname), os.path.join(path, fname))
 
 

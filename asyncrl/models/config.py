@@ -1,7 +1,7 @@
-"""Decoder architecture config: one dataclass covers Llama 3/3.1 and Qwen3.
+"""Decoder architecture config: one dataclass covers Llama 3/3.1, Qwen3 and Qwen3-MoE.
 
-The two families differ only in a handful of switches (q/k RMSNorm, tied embeddings, rope scaling), so one
-decoder implementation with this config is enough; see `transformer.py`.
+The families differ only in a handful of switches (q/k RMSNorm, tied embeddings, rope scaling, mixture-of-experts
+MLPs), so one decoder implementation with this config is enough; see `transformer.py` and `moe.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -42,13 +43,13 @@ class ModelConfig:
     """Shape of a decoder-only transformer. Field names follow the HF config.json keys where one exists."""
 
     family: str = "qwen3"
-    """'llama' or 'qwen3'. Qwen3 adds RMSNorm on q and k per head."""
+    """'llama', 'qwen3' or 'qwen3_moe'. Qwen3 adds RMSNorm on q and k per head; Qwen3-MoE also routes its MLPs."""
     vocab_size: int = 512
     """Number of token embeddings (rows of the embedding table)."""
     hidden_size: int = 64
     """Residual stream width D."""
     intermediate_size: int = 192
-    """SwiGLU hidden width F."""
+    """SwiGLU hidden width F (of the dense MLP layers, in a mixture-of-experts model)."""
     num_layers: int = 2
     """Number of decoder blocks."""
     num_heads: int = 4
@@ -71,6 +72,18 @@ class ModelConfig:
     """Beginning-of-sequence id from config.json, if any."""
     eos_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids from config.json (Llama-3.1 Instruct lists several)."""
+    num_experts: int = 0
+    """Experts E per mixture-of-experts layer (HF `num_experts`); 0 for a dense model, > 0 for qwen3_moe."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k), 1 <= k <= num_experts."""
+    moe_intermediate_size: int = 0
+    """SwiGLU hidden width I of each expert."""
+    norm_topk_prob: bool = False
+    """Renormalise the k chosen routing probabilities to sum to 1 (HF `norm_topk_prob`; Qwen3-30B-A3B: true)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layer indices whose MLP is dense (width intermediate_size) rather than a mixture of experts."""
+    decoder_sparse_step: int = 1
+    """Layer i routes its MLP iff (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (HF rule)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -92,10 +105,50 @@ class ModelConfig:
                 )
         if self.family not in SUPPORTED_ARCHITECTURES.values():
             raise ModelConfigError(f"model.family={self.family!r}; allowed: {sorted(SUPPORTED_ARCHITECTURES.values())}")
+        if self.family != "qwen3_moe":
+            if self.num_experts:
+                raise ModelConfigError(f"model.num_experts={self.num_experts} needs model.family='qwen3_moe' "
+                                       f"(got {self.family!r})")
+            return
+        moe_checks = {
+            "num_experts": self.num_experts > 0,
+            "num_experts_per_tok": 0 < self.num_experts_per_tok <= self.num_experts,
+            "moe_intermediate_size": self.moe_intermediate_size > 0,
+            "decoder_sparse_step": self.decoder_sparse_step > 0,
+            "mlp_only_layers": all(0 <= i < self.num_layers for i in self.mlp_only_layers),
+        }
+        for key, ok in moe_checks.items():
+            if not ok:
+                raise ModelConfigError(
+                    f"model.{key}={getattr(self, key)!r} is invalid for qwen3_moe (num_experts > 0, "
+                    "1 <= num_experts_per_tok <= num_experts, moe_intermediate_size > 0, decoder_sparse_step > 0, "
+                    f"mlp_only_layers in [0, num_layers={self.num_layers}))"
+                )
+        if not self.sparse_layers:
+            raise ModelConfigError(f"model: qwen3_moe with mlp_only_layers={self.mlp_only_layers!r} and "
+                                   f"decoder_sparse_step={self.decoder_sparse_step} has no mixture-of-experts layer")
 
     @property
     def qk_norm(self) -> bool:
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Indices of the mixture-of-experts layers, in order (HF's `Qwen3MoeDecoderLayer` rule); () if dense."""
+        if not self.is_moe:
+            return ()
+        return tuple(i for i in range(self.num_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with a dense MLP, in order: every layer of a dense model."""
+        sparse = set(self.sparse_layers)
+        return tuple(i for i in range(self.num_layers) if i not in sparse)
 
     @property
     def architecture(self) -> str:
@@ -110,9 +163,11 @@ class ModelConfig:
             self.head_dim,
             self.vocab_size,
         )
-        per_layer = d * (h + 2 * k) * dh + h * dh * d + 3 * d * f + 2 * d + (2 * dh if self.qk_norm else 0)
+        per_layer = d * (h + 2 * k) * dh + h * dh * d + 2 * d + (2 * dh if self.qk_norm else 0)
+        mlps = len(self.dense_layers) * 3 * d * f + len(self.sparse_layers) * self.num_experts * (
+            3 * d * self.moe_intermediate_size + d)  # + d: each expert's router row
         head = 0 if self.tie_word_embeddings else d * v
-        return v * d + self.num_layers * per_layer + d + head
+        return v * d + self.num_layers * per_layer + mlps + d + head
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """Bytes of KV cache one token occupies across all layers (the blog's K)."""
@@ -124,7 +179,8 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
-            raise ModelConfigError(f"{source}: key 'architectures' is missing; expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ModelConfigError(f"{source}: key 'architectures' is missing; "
+                                   f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
@@ -132,6 +188,8 @@ class ModelConfig:
             )
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ModelConfigError(f"{source}: attention_bias/mlp_bias=true is not supported by this decoder")
+        if cfg.get("use_sliding_window"):
+            raise ModelConfigError(f"{source}: use_sliding_window=true is not supported by this decoder")
 
         def need(key: str) -> Any:
             if key not in cfg:
@@ -142,7 +200,8 @@ class ModelConfig:
         # transformers 5 writes; accept both.
         rope_params = cfg.get("rope_parameters") or {}
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
+        scaling = cfg.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type") not in (None, "default") else None)
         rope_scaling = None
         if scaling:
             rope_type = scaling.get("rope_type", scaling.get("type"))
@@ -161,6 +220,17 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         family = SUPPORTED_ARCHITECTURES[arch]
+        moe: dict[str, Any] = {}
+        if family == "qwen3_moe":
+            # The hub's files say `num_experts`; what transformers 5 writes says `num_local_experts`.
+            experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+            if experts is None:
+                raise ModelConfigError(f"{source}: required key 'num_experts' is missing")
+            moe = dict(num_experts=int(experts), num_experts_per_tok=int(need("num_experts_per_tok")),
+                       moe_intermediate_size=int(need("moe_intermediate_size")),
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                       mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+                       decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)))
         return cls(
             family=family,
             vocab_size=int(need("vocab_size")),
@@ -177,6 +247,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
 
     @classmethod
@@ -214,6 +285,11 @@ class ModelConfig:
             "torch_dtype": torch_dtype,
             "use_cache": True,
         }
+        if self.is_moe:
+            out |= {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                    "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                    "mlp_only_layers": list(self.mlp_only_layers), "decoder_sparse_step": self.decoder_sparse_step,
+                    "use_sliding_window": False}
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         if self.bos_token_id is not None:
@@ -231,6 +307,13 @@ PRESETS: dict[str, ModelConfig] = {
         family="qwen3", vocab_size=128, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         max_position_embeddings=512,
+    ),
+    # A mixture of experts as small as "tiny": 4 experts, top-2, layer 0 dense (Qwen3-MoE's mlp_only_layers).
+    "tiny_moe": ModelConfig(
+        family="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=192, num_layers=3, num_heads=4,
+        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        max_position_embeddings=512, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, mlp_only_layers=(0,),
     ),
     "smollm2-135m": ModelConfig(
         family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,

@@ -35,6 +35,17 @@ class ParamSpec:
 
 @jax.tree_util.register_dataclass
 @dataclass
+class MoeParams:
+    """A mixture-of-experts MLP (`moe.py`); every leaf has a leading [L] axis when stacked."""
+
+    router: Any  # [L, D, E]
+    w_gate: Any  # [L, E, D, I]
+    w_up: Any  # [L, E, D, I]
+    w_down: Any  # [L, E, I, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class LayerParams:
     """One decoder block's weights; every leaf has a leading [L] axis when stacked."""
 
@@ -46,18 +57,24 @@ class LayerParams:
     q_norm: Any  # [L, Dh] (Qwen3) or None
     k_norm: Any  # [L, Dh] (Qwen3) or None
     mlp_norm: Any  # [L, D]
-    w_gate: Any  # [L, D, F]
+    w_gate: Any  # [L, D, F], or None in a mixture-of-experts layer
     w_up: Any  # [L, D, F]
     w_down: Any  # [L, F, D]
+    moe: Any = None  # MoeParams in a mixture-of-experts layer, else None
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class Params:
+    """`layers` stacks every layer of a dense model, or the mixture-of-experts layers of a MoE model
+    (`cfg.sparse_layers`); a MoE model's dense-MLP layers (`cfg.dense_layers`, often none) stack in `dense_layers`.
+    Stacks of one kind keep the layer loop a `lax.scan`; `moe.layer_order` interleaves them when both exist."""
+
     embed: Any  # [V, D]
     layers: LayerParams
     final_norm: Any  # [D]
     lm_head: Any  # [D, V], or None when tied to `embed`
+    dense_layers: Any = None  # LayerParams [L_dense, ...] of a MoE model with dense-MLP layers, else None
 
 
 def abstract(cfg: ModelConfig) -> Params:
@@ -72,9 +89,9 @@ def abstract(cfg: ModelConfig) -> Params:
         cfg.vocab_size,
     )
     qk = cfg.qk_norm
-    return Params(
-        embed=ParamSpec((V, D), ("vocab", "embed"), "normal", fan_in=D),
-        layers=LayerParams(
+
+    def layer_specs(L: int, moe: bool) -> LayerParams:
+        return LayerParams(
             attn_norm=ParamSpec((L, D), ("layers", None), "ones"),
             wq=ParamSpec((L, D, H, Dh), ("layers", "embed", "heads", "head_dim"), "normal", fan_in=D),
             wk=ParamSpec((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"), "normal", fan_in=D),
@@ -83,12 +100,30 @@ def abstract(cfg: ModelConfig) -> Params:
             q_norm=ParamSpec((L, Dh), ("layers", None), "ones") if qk else None,
             k_norm=ParamSpec((L, Dh), ("layers", None), "ones") if qk else None,
             mlp_norm=ParamSpec((L, D), ("layers", None), "ones"),
-            w_gate=ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal", fan_in=D),
-            w_up=ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal", fan_in=D),
-            w_down=ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal", fan_in=F),
-        ),
+            w_gate=None if moe else ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal", fan_in=D),
+            w_up=None if moe else ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal", fan_in=D),
+            w_down=None if moe else ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal", fan_in=F),
+            moe=moe_specs(L) if moe else None,
+        )
+
+    def moe_specs(L: int) -> MoeParams:
+        # Experts split over the "expert" mesh axis; the router's E columns are never split: every shard
+        # scores every expert. Each expert's width I shares "mlp" with the dense MLP (tensor parallelism).
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        return MoeParams(
+            router=ParamSpec((L, D, E), ("layers", "embed", None), "normal", fan_in=D),
+            w_gate=ParamSpec((L, E, D, I), ("layers", "expert", "embed", "mlp"), "normal", fan_in=D),
+            w_up=ParamSpec((L, E, D, I), ("layers", "expert", "embed", "mlp"), "normal", fan_in=D),
+            w_down=ParamSpec((L, E, I, D), ("layers", "expert", "mlp", "embed"), "normal", fan_in=I),
+        )
+
+    n_dense = len(cfg.dense_layers)
+    return Params(
+        embed=ParamSpec((V, D), ("vocab", "embed"), "normal", fan_in=D),
+        layers=layer_specs(len(cfg.sparse_layers), True) if cfg.is_moe else layer_specs(L, False),
         final_norm=ParamSpec((D,), (None,), "ones"),
         lm_head=None if cfg.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab"), "normal", fan_in=D),
+        dense_layers=layer_specs(n_dense, False) if cfg.is_moe and n_dense else None,
     )
 
 

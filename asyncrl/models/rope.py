@@ -23,7 +23,8 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    span = s.high_freq_factor - s.low_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / span
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)

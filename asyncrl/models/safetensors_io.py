@@ -82,7 +82,8 @@ def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str
         arr = np.ascontiguousarray(arr)
         if arr.dtype not in _NAMES:
             raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {arr.dtype}")
-        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
         offset += arr.nbytes
         arrays.append(arr)
     blob = json.dumps(header, separators=(",", ":")).encode()

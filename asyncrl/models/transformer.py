@@ -1,4 +1,4 @@
-"""One decoder for Llama 3/3.1 and Qwen3: functions over the `Params` pytree.
+"""One decoder for Llama 3/3.1, Qwen3 and Qwen3-MoE (its MLP in `moe.py`): functions over the `Params` pytree.
 
 Shapes: B batch, T new tokens, S cache length, D width, H query heads, K kv heads, G = H/K, Dh head dim,
 F MLP width, V vocab, L layers.
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from asyncrl.models import dense as dense_lib, embedding, kvcache, params as params_lib, ulysses
+from asyncrl.models import dense as dense_lib, embedding, kvcache, moe as moe_lib, params as params_lib, ulysses
 from asyncrl.models.attention import cached_attention
 from asyncrl.models.attention_impl import self_attention
 from asyncrl.models.config import ModelConfig
@@ -94,9 +94,6 @@ class Model:
     def _batch_axes(self, mesh) -> tuple[str, ...]:
         return tuple(a for a in (self.rules or ShardingRules()).mesh_axes("batch") if a in mesh.axis_names)
 
-    def _data_axes(self, mesh) -> set[str]:
-        return set(self._batch_axes(mesh))
-
     def seq_axes(self, mesh: Any = None) -> tuple[str, ...]:
         """Mesh axes that split the sequence of a cache-free forward: the rules' "seq" axes of size > 1.
 
@@ -128,7 +125,7 @@ class Model:
         if mesh is None or w is None:
             return w
         spec = jax.typeof(w).sharding.spec
-        new = P(*[drop_axes(e, self._data_axes(mesh)) for e in spec])
+        new = P(*[drop_axes(e, set(self._batch_axes(mesh))) for e in spec])
         if tuple(new) == tuple(spec):
             return w
         if summed:
@@ -186,8 +183,7 @@ class Model:
         """`apply` from position 0, into a cache whose rows hold nothing yet (their lengths are ignored):
         attention runs over the call's own tokens (the prompt bucket), never over the cache, and their K/V are
         written at positions 0..T-1 with one dynamic-update-slice."""
-        out, cache = self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, attend_cache=False)
-        return out, cache  # type: ignore[return-value]
+        return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, attend_cache=False)  # type: ignore
 
     def _embed(self, embed: jax.Array, x: jax.Array, mesh: Any, seq: tuple[str, ...]) -> jax.Array:
         """[B, T] ids -> [B, T, D] rows of the table, in the activation layout."""
@@ -199,6 +195,7 @@ class Model:
     def _forward(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None,
                  apply_lm_head: bool, attend_cache: bool) -> tuple[jax.Array, KVCache | None]:
         c = self.cfg
+        params = moe_lib.layer_order(params, c)  # a MoE model with dense-MLP layers: one by one, in model order
         B, T = x.shape
         sequence_lens = sequence_lens.astype(jnp.int32)
         mesh = _explicit_mesh()
@@ -218,6 +215,8 @@ class Model:
         def mlp(h: jax.Array, layer: LayerParams) -> jax.Array:
             with jax.named_scope("mlp"):
                 m = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
+                if layer.moe is not None:  # a mixture-of-experts layer
+                    return h + moe_lib.moe_mlp(m, layer.moe, c)[0]
                 gate = dense_lib.einsum("btd,df->btf", m, layer.w_gate)
                 up = dense_lib.einsum("btd,df->btf", m, layer.w_up)
                 return h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down, seq)
@@ -306,9 +305,7 @@ class Model:
                 new_cache = self._write_cache(kv_cache, ks, vs, start, kv_len, attend_cache)
 
         h = rms_norm(h, self._use(params.final_norm), c.rms_norm_eps)
-        if not apply_lm_head:
-            return h, new_cache
-        return self.lm_head(params, h), new_cache
+        return (self.lm_head(params, h) if apply_lm_head else h), new_cache
 
     @staticmethod
     def _write_cache(cache: KVCache, ks: jax.Array, vs: jax.Array, start: jax.Array, kv_len: jax.Array,

@@ -38,6 +38,7 @@ LOGICAL_AXES = (
     "seq",  # positions
     "cache_seq",  # KV-cache positions
     "lora_rank",  # a LoRA adapter's rank r (models/lora.py): small, never split
+    "expert",  # a mixture-of-experts layer's experts E (models/moe.py): expert parallelism
 )
 
 
@@ -60,6 +61,7 @@ class ShardingRules:
     seq: MeshAxes = None
     cache_seq: MeshAxes = None
     lora_rank: MeshAxes = None
+    expert: MeshAxes = None
     min_bytes: int = 0
     """Leaves smaller than this are replicated: sharding a tiny norm scale only adds collective latency."""
 
@@ -98,14 +100,16 @@ class ShardingRules:
                 size = int(np.prod([mesh.shape[a] for a in axes]))
                 if shape[dim] % size != 0:
                     # Keep correctness: an uneven dim is replicated rather than failing (e.g. 2 KV heads, tp=4).
-                    log.debug("%s: dim %d (%s=%d) not divisible by %s=%d; replicated", name, dim, logical, shape[dim], axes, size)
+                    log.debug("%s: dim %d (%s=%d) not divisible by %s=%d; replicated", name, dim, logical,
+                              shape[dim], axes, size)
                     axes = ()
             for a in axes:
                 used[a] = logical  # type: ignore[assignment]
             out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
         return P(*out)
 
-    def sharding(self, mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int], nbytes: int | None = None, name: str = "array") -> NamedSharding:
+    def sharding(self, mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int],
+                 nbytes: int | None = None, name: str = "array") -> NamedSharding:
         return NamedSharding(mesh, self.spec(logical_axes, shape, mesh, nbytes, name))
 
     def replace(self, **kw: Any) -> ShardingRules:
@@ -126,8 +130,12 @@ def drop_axes(entry: Any, drop: set[str]) -> Any:
 
 # ---- Rule instances -----------------------------------------------------------------------------------------
 
-def fsdp_rules(fsdp_axis: str = "fsdp", shard_logical: str = "embed", min_bytes: int = 0, data_axes: MeshAxes = ("dp", "fsdp")) -> ShardingRules:
-    """FSDP: each weight is split along one chosen logical dim (default the residual width D) over `fsdp`."""
+def fsdp_rules(fsdp_axis: str = "fsdp", shard_logical: str = "embed", min_bytes: int = 0,
+               data_axes: MeshAxes = ("dp", "fsdp")) -> ShardingRules:
+    """FSDP: each weight is split along one chosen logical dim (default the residual width D) over `fsdp`.
+
+    Either rule instance here takes expert parallelism as `.replace(expert="expert")`: a MoE layer's experts split
+    over that mesh axis, which is not a data axis (tokens are replicated over it; `models/moe.py`)."""
     rules = ShardingRules(batch=data_axes, min_bytes=min_bytes)
     return rules.replace(**{shard_logical: fsdp_axis})
 
@@ -144,4 +152,5 @@ def tree_shardings(rules: ShardingRules, mesh: Mesh, abstract_tree: Any, axes_tr
         nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
         return rules.sharding(mesh, axes, leaf.shape, nbytes, name=jax.tree_util.keystr(path))
 
-    return jax.tree_util.tree_map_with_path(one, abstract_tree, axes_tree, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return jax.tree_util.tree_map_with_path(one, abstract_tree, axes_tree,
+                                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))

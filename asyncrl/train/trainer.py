@@ -34,6 +34,7 @@ from asyncrl.train.mesh import (
 )
 from asyncrl.train.optimizer import lr_schedule, make_optimizer
 from asyncrl.train.step import make_train_step
+from asyncrl.validate import ConfigError
 
 MASTER_DTYPE = jnp.float32
 log = logging.getLogger(__name__)
@@ -90,6 +91,10 @@ class Trainer:
         # LoRA: the trained tree (`params`, the optimizer's, the checkpoints') is the adapters; the model's weights
         # are `base`, frozen, in the compute dtype, on the model's shardings, and with the KL term also the reference.
         self.lora = train_cfg.lora if train_cfg.lora.enabled else None
+        if self.lora is not None and model.cfg.is_moe:  # adapters on the experts (models/moe.py): not built yet
+            raise ConfigError(f"train.lora.rank={self.lora.rank} (LoRA) is not supported on a mixture-of-experts "
+                              f"model (model.family={model.cfg.family!r}, model.num_experts={model.cfg.num_experts}): "
+                              "set train.lora.rank=0 for a full fine-tune")
         if self.lora is not None:
             lc = self.lora
             self.params_abstract = lora_lib.shapes(model.cfg, lc.rank, lc.targets, MASTER_DTYPE)

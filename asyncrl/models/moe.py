@@ -1,0 +1,137 @@
+"""Mixture-of-experts MLP (Qwen3-MoE): a router, top-k, and the experts as grouped matmuls over sorted tokens.
+
+Shapes: N tokens, D width, E experts (El of them on one expert shard), I expert width, k experts per token,
+A = N*k (token, expert) assignments.
+
+Routing follows transformers' `Qwen3MoeSparseMoeBlock`: logits = x @ router in the activation dtype, a softmax
+over all E in fp32, top-k, renormalised over the k when `norm_topk_prob`, cast back. Each token's output is the
+weighted sum of its k experts' SwiGLU outputs. Dropless: every assignment is computed (no capacity).
+
+Experts run as `jax.lax.ragged_dot` over the assignments sorted by expert (one grouped matmul per projection,
+which XLA:CPU runs too). Expert parallelism is the SkyRL-tx layout: experts split over the "expert" mesh axis,
+tokens replicated over it; each shard computes the assignments routed to its own experts (the others sort to the
+end, past its group sizes, and count zero) and one psum over the expert (and tensor-parallel) axes combines them.
+No all-to-all: `ragged_all_to_all` does not run on XLA:CPU, so this is the path the fake-device tests can check;
+it moves [N, D] per layer (the psum) instead of the ~2*k/E*N*D of a dispatch and combine.
+
+Router replay hook: `moe_mlp(..., expert_ids=ids)` routes each token to the given experts instead of its top-k,
+with the gate weights still the router's own probabilities at those ids (so the router keeps its gradient), and
+every call returns the ids it used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from asyncrl.models.config import ModelConfig
+from asyncrl.models.params import MoeParams, Params
+
+
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
+          expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [N, D], router [D, E] -> (gate weights [N, k] in x's dtype, expert ids [N, k] int32).
+
+    With `expert_ids` (replay) those are the ids; their weights are the softmax probabilities at them."""
+    logits = jnp.einsum("nd,de->ne", x, router)  # [N, E]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if expert_ids is None:
+        weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    else:
+        ids = expert_ids.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def experts(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+            w_down: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+    """The experts `first .. first+El-1` (w_gate/w_up [El, D, I], w_down [El, I, D]) applied to their share of
+    the assignments (ids, weights [N, k]) of x [N, D]; -> [N, D], zero for tokens routed to none of them."""
+    N, k = ids.shape
+    El = w_gate.shape[0]
+    local = ids.reshape(-1) - first  # [A]
+    local = jnp.where((local >= 0) & (local < El), local, El)  # El: another shard's expert, sorted last
+    order = jnp.argsort(local, stable=True)  # [A]
+    token = order // k  # the token of each sorted assignment
+    sizes = jnp.bincount(local, length=El + 1)[:El].astype(jnp.int32)  # [El]; the rest lie past their sum
+    xs = jnp.take(x, token, axis=0)  # [A, D]
+    with jax.named_scope("experts"):
+        gate = jax.lax.ragged_dot(xs, w_gate, sizes)  # [A, I]
+        up = jax.lax.ragged_dot(xs, w_up, sizes)
+        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)  # [A, D]
+    w = jnp.take(weights.reshape(-1), order)
+    w = jnp.where(jnp.take(local, order) < El, w, 0)  # other shards' rows: zero whatever ragged_dot left there
+    return jnp.zeros_like(x).at[token].add(out * w[:, None])
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig,
+            expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, D] (the normed residual) and one layer's MoeParams -> (MLP output [B, T, D], expert ids
+    [B, T, k] int32). `expert_ids` [B, T, k] replays a routing (module docstring)."""
+    B, T, D = x.shape
+    k = cfg.num_experts_per_tok
+
+    def local(x, router, w_gate, w_up, w_down, ids, first=0, summed=()):
+        xf = x.reshape(-1, D)
+        weights, ids = route(xf, router, cfg, None if ids is None else ids.reshape(-1, k))
+        y = experts(xf, ids, weights, w_gate, w_up, w_down, first)
+        if summed:
+            y = jax.lax.psum(y, summed)
+            ids = jax.lax.pmax(ids, summed)  # equal on every shard: this only types them replicated
+        return y.reshape(x.shape), ids.reshape(*x.shape[:-1], k)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.explicit_axes:
+        return local(x, p.router, p.w_gate, p.w_up, p.w_down, expert_ids)
+    x_spec = jax.typeof(x).sharding.spec
+    w_specs = [jax.typeof(w).sharding.spec for w in (p.router, p.w_gate, p.w_up, p.w_down)]
+    router, gate = w_specs[0].partitions, w_specs[1].partitions  # (a spec typed `reduced` refuses [i])
+    ep = _axes(gate[0])  # the expert dim's mesh axes
+    tp = _axes(gate[2])  # the expert width's (column-parallel gate/up, row-parallel down: partial sums)
+    if _axes(router[0]) or _axes(router[1]) or _axes(gate[1]):
+        raise ValueError(f"moe_mlp: router {w_specs[0]} and the experts' D dim {w_specs[1]} must be gathered "
+                         "(Model._use) before the layer")
+    ids_spec = P(*x_spec.partitions[:2], None)
+
+    def shard(x, router, w_gate, w_up, w_down, ids=None):
+        first = 0
+        for a in ep:  # this shard's first expert: its index along the expert axes (major to minor) * El
+            first = first * mesh.shape[a] + jax.lax.axis_index(a)
+        summed = (*ep, *tp)
+        # Each shard's gradient for the (replicated) tokens and router is its experts' part: typed varying here,
+        # and the transpose sums the parts. Left invariant, their gradients came out wrong here (off by ~10%).
+        x, router = jax.lax.pcast((x, router), summed, to="varying") if summed else (x, router)
+        return local(x, router, w_gate, w_up, w_down, ids, first * w_gate.shape[0], summed)
+
+    args, specs = (x, p.router, p.w_gate, p.w_up, p.w_down), (x_spec, *w_specs)
+    if expert_ids is not None:
+        args, specs = (*args, jax.sharding.reshard(expert_ids, ids_spec)), (*specs, ids_spec)
+    with jax.named_scope("moe"):
+        return jax.shard_map(shard, in_specs=specs, out_specs=(x_spec, ids_spec))(*args)
+
+
+def layer_order(params: Params, cfg: ModelConfig) -> Params:
+    """A MoE model with dense-MLP layers -> its layers one by one in model order (a tuple of per-layer
+    LayerParams, which the forward runs as a Python loop); any other model unchanged."""
+    if params.dense_layers is None:
+        return params
+    if isinstance(params.layers, tuple):
+        raise ValueError("layer_order: per-layer (unstacked) mixture-of-experts params are not supported yet")
+    sparse = {i: j for j, i in enumerate(cfg.sparse_layers)}
+    dense = {i: j for j, i in enumerate(cfg.dense_layers)}
+
+    def take(stack: Any, j: int) -> Any:
+        return jax.tree.map(lambda w: w[j], stack)
+
+    layers = tuple(take(params.layers, sparse[i]) if i in sparse else take(params.dense_layers, dense[i])
+                   for i in range(cfg.num_layers))
+    return type(params)(embed=params.embed, layers=layers, final_norm=params.final_norm, lm_head=params.lm_head)
