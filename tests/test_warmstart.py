@@ -43,3 +43,39 @@ def test_targets_are_in_the_tasks_format_and_independent_of_the_prompt(tmp_path)
         rendered = mix.render_answer(s.answer, s)
         assert rendered == (s.answer if s.metadata["task"] == "digits" else f"\\boxed{{{s.answer}}}")
         assert mix.score(rendered, s).reason == "correct"
+
+
+def test_the_cache_is_written_by_process_0_alone_and_an_incomplete_folder_is_recomputed(tmp_path, monkeypatch):
+    """A second trainer host (jax process 1) writes no files (save_pretrained), so it must not rename its empty
+    temp dir into the cache: that left an empty folder that every later run read as a cached warm-start."""
+    import os
+
+    import jax
+    import numpy as np
+
+    from asyncrl.models import Model, preset
+    from asyncrl.train import warmstart
+
+    tok = Tokenizer.from_folder(build_char_tokenizer(str(tmp_path / "tok")))
+    model = Model(preset("tiny"))
+    params = model.init_params(jax.random.PRNGKey(0))
+    task, cache = DigitsTask(eval_size=4), str(tmp_path / "cache")
+    run = lambda: warmstart.cached_format_warmstart(model, params, tok, task, "digits", 2, cache, 0, batch=8)
+
+    monkeypatch.setattr(warmstart.jax, "process_index", lambda: 1)
+    second = run()
+    assert not os.path.exists(cache) or not os.listdir(cache)  # nothing cached by process 1
+    monkeypatch.undo()
+
+    first = run()
+    (folder,) = [os.path.join(cache, d) for d in os.listdir(cache)]
+    assert os.path.isfile(os.path.join(folder, "config.json"))
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same params on every host
+
+    for f in os.listdir(folder):  # a folder left empty by an older version: computed again, not read
+        os.remove(os.path.join(folder, f))
+    again = run()
+    assert os.path.isfile(os.path.join(folder, "config.json"))
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(first)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

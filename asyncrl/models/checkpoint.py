@@ -255,7 +255,6 @@ def save_pretrained(
     `dtype` casts on the way out (default: the params' dtype); `max_shard_bytes` splits into several files
     with an index; `copy_files_from` copies tokenizer/generation files from a source HF folder."""
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
     cfg = model.cfg
     tensors: dict[str, np.ndarray] = {}
     for e, _spec in _active_entries(cfg):
@@ -266,8 +265,9 @@ def save_pretrained(
         rows = arr.reshape(-1, *arr.shape[_lead(e):])  # [layers * experts, ...] in `_names` order
         for name, row in zip(_names(e, cfg), rows, strict=True):
             tensors[name] = e.to_hf(row, cfg)
-    if jax.process_index() != 0:
+    if jax.process_index() != 0:  # every process gathers (collectives); process 0 alone writes
         return
+    os.makedirs(path, exist_ok=True)
     out_dtype = next(iter(tensors.values())).dtype
     torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(str(out_dtype), "float32")
     if max_shard_bytes is None or sum(t.nbytes for t in tensors.values()) <= max_shard_bytes:

@@ -98,14 +98,21 @@ def cached_format_warmstart(model: Any, params: Any, tokenizer: Any, task: Any, 
                       "seed": seed, "chat": chat, "vocab": tokenizer.vocab_size, "lr": lr, "batch": batch},
                      sort_keys=True)
     folder = os.path.join(cache_root, "warmstart-" + hashlib.sha256(key.encode()).hexdigest()[:16])
-    if os.path.isdir(folder):  # only ever created whole, by the os.replace below
+    # Complete only if it has its config: a folder another version left empty (a second trainer host renamed its
+    # unwritten temp dir into place) is computed again and replaced, never read.
+    if os.path.isfile(os.path.join(folder, "config.json")):
         log.info("format warm-start: cached at %s", folder)
         return from_pretrained(folder)[1]
     out = format_warmstart(model, params, tokenizer, task, steps, lr=lr, batch=batch, seed=seed, chat=chat)
+    # Every trainer host computes the same params; only process 0 writes files (save_pretrained), so only it fills
+    # the cache.
+    if jax.process_index() != 0:
+        return out
     tmp = folder + f".tmp{os.getpid()}"
     save_pretrained(model, out, tmp)
-    if os.path.exists(folder):  # another process finished first; theirs is identical
+    if os.path.isfile(os.path.join(folder, "config.json")):  # another process finished first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
     else:
+        shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder, if any
         os.replace(tmp, folder)
     return out
