@@ -89,6 +89,11 @@ def hf_logits(model, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.float().numpy()
 
 
+def max_valid_err(a, b, lens) -> float:
+    """The largest |a - b| over each row's first `lens[i]` positions (padding left out)."""
+    return max(float(np.abs(a[i, :n] - b[i, :n]).max()) for i, n in enumerate(lens))
+
+
 def ragged_batch(vocab: int, lens, width: int | None = None, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     lens = np.asarray(lens, np.int32)

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.models import from_pretrained, save_pretrained
-from tests.helpers import KINDS, hf_logits, ragged_batch, save_hf_model
+from tests.helpers import KINDS, hf_logits, max_valid_err, ragged_batch, save_hf_model
 
 LENS = [21, 13, 6, 17]
 
@@ -24,10 +24,6 @@ def hf_pair(request, tmp_path_factory):
     return request.param, folder, hf, model, params
 
 
-def _max_valid_err(a, b, lens):
-    return max(float(np.abs(a[i, :n] - b[i, :n]).max()) for i, n in enumerate(lens))
-
-
 def test_logit_parity_right_padded(hf_pair):
     kind, _, hf, model, params = hf_pair
     toks, lens = ragged_batch(model.cfg.vocab_size, LENS, width=24)
@@ -35,7 +31,7 @@ def test_logit_parity_right_padded(hf_pair):
     ours, cache = jax.jit(model.apply)(params, jnp.asarray(toks), jnp.asarray(lens))
     assert cache is None
     assert ours.shape == ref.shape
-    assert _max_valid_err(np.asarray(ours), ref, lens) <= 1e-4, kind
+    assert max_valid_err(np.asarray(ours), ref, lens) <= 1e-4, kind
     # The comparison is meaningful: logits vary a lot across positions.
     assert float(np.std(ref[0, : LENS[0]])) > 0.1
 
@@ -82,7 +78,7 @@ def test_round_trip_through_transformers(hf_pair, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     toks, lens = ragged_batch(model.cfg.vocab_size, LENS, seed=5)
     a, b = hf_logits(hf, toks, lens), hf_logits(reloaded, toks, lens)
-    assert _max_valid_err(a, b, lens) <= 1e-5, kind
+    assert max_valid_err(a, b, lens) <= 1e-5, kind
     assert type(reloaded).__name__ == type(hf).__name__
 
 
@@ -99,7 +95,7 @@ def test_sharded_safetensors_with_index(hf_pair, tmp_path):
     hf2 = AutoModelForCausalLM.from_pretrained(out).eval()
     toks, lens = ragged_batch(model.cfg.vocab_size, LENS, seed=7)
     ours, _ = model.apply(params2, jnp.asarray(toks), jnp.asarray(lens))
-    assert _max_valid_err(np.asarray(ours), hf_logits(hf2, toks, lens), lens) <= 1e-4
+    assert max_valid_err(np.asarray(ours), hf_logits(hf2, toks, lens), lens) <= 1e-4
 
 
 def test_transformers5_rope_parameters_layout(tmp_path):

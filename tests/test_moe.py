@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.models import Model, from_pretrained, moe, preset, save_pretrained
 from asyncrl.models.config import ModelConfig, ModelConfigError
 from asyncrl.sharding.rules import fsdp_rules, tensor_parallel_rules
-from tests.helpers import hf_logits, ragged_batch, random_params, save_hf_model
+from tests.helpers import hf_logits, max_valid_err, ragged_batch, random_params, save_hf_model
 
 LENS = [21, 13, 6, 17]
 MOE_KINDS = ("qwen3_moe", "qwen3_moe_nonorm")  # norm_topk_prob true / false; 6 experts, top-3, layer 1 dense
@@ -26,10 +26,6 @@ def hf_pair(request, tmp_path_factory):
     hf = save_hf_model(request.param, folder)
     model, params = from_pretrained(folder)
     return request.param, folder, hf, model, params
-
-
-def _max_valid_err(a, b, lens):
-    return max(float(np.abs(a[i, :n] - b[i, :n]).max()) for i, n in enumerate(lens))
 
 
 def test_config_and_layout(hf_pair):
@@ -53,7 +49,7 @@ def test_logit_parity_right_padded(hf_pair):
     toks, lens = ragged_batch(model.cfg.vocab_size, LENS, width=24)
     ref = hf_logits(hf, toks, lens)
     ours, _ = jax.jit(model.apply)(params, jnp.asarray(toks), jnp.asarray(lens))
-    err = _max_valid_err(np.asarray(ours), ref, lens)
+    err = max_valid_err(np.asarray(ours), ref, lens)
     print(f"{kind}: max |ours - transformers| = {err:.2e}")
     assert err <= 1e-4, kind
     assert float(np.std(ref[0, : LENS[0]])) > 0.1
@@ -108,7 +104,7 @@ def test_round_trip_through_transformers(hf_pair, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
     toks, lens = ragged_batch(model.cfg.vocab_size, LENS, seed=5)
-    err = _max_valid_err(hf_logits(hf, toks, lens), hf_logits(reloaded, toks, lens), lens)
+    err = max_valid_err(hf_logits(hf, toks, lens), hf_logits(reloaded, toks, lens), lens)
     print(f"{kind}: export max |reloaded - original| = {err:.2e}")
     assert err <= 1e-5, kind
     model2, params2 = from_pretrained(out)
