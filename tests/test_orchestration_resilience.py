@@ -177,9 +177,10 @@ def _resumed_at(stderr):
     return [int(x) for x in re.findall(r"\[asyncrl\] resuming .* from checkpoint step (\d+)", stderr)]
 
 
-@pytest.mark.parametrize("max_lag", [0, 2])
-@pytest.mark.parametrize("how", ["stop", "kill"])
-def test_train_kl_goes_on_across_a_resume(tmp_path, max_lag, how):
+# Both resume paths and both lags, each once: the reference is restored by one code path whichever way the run
+# ended, and the lag only changes which groups are in flight (the full 2 x 2 grid cost CI another 2 minutes).
+@pytest.mark.parametrize(("how", "max_lag"), [("stop", 0), ("kill", 2)])
+def test_train_kl_goes_on_across_a_resume(tmp_path, how, max_lag):
     """With the KL term and the format warm-start, a run stopped (a clean end, then rerun for more steps) or killed
     (a trainer SIGKILL, then a restart), at max_lag 0 and 2, continues train/kl without a jump at the first resumed
     step. Before, the resumed reference was the random init: train/kl went from 0.26-0.38 to 4.52 in a run."""

@@ -170,9 +170,9 @@ def _teardown(actors: list[Any], queues: dict[str, Any], pg: Any, hosts: list[di
                 sink.write(row)
         except Exception as e:  # noqa: BLE001 - a dead queue actor: its rows are lost, the teardown goes on
             log.warning("could not drain the driver queue after the hosts stopped: %r", e)
-    for q in queues.values():
+    if queues:  # every queue lives in one hub actor
         try:
-            ray.kill(q.q.actor, no_restart=True)
+            ray.kill(next(iter(queues.values())).q.hub, no_restart=True)
         except Exception:
             pass
     if pg is not None:
