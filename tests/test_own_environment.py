@@ -3,6 +3,8 @@ by import path, imported by the driver before anything starts, shipped to every 
 
 import json
 import os
+import pathlib
+import re
 import resource
 import sys
 import textwrap
@@ -16,54 +18,42 @@ from asyncrl.tasks import TaskConfig, TaskSourceConfig
 from asyncrl.validate import ConfigError
 from tests.helpers import TINY, launch, rows
 
-# A complete environment, as a user writes it outside the repo: digits prompts (the tiny model's character tokenizer
-# covers them), the answer is how many digits exceed 4, and any wrong answer scores 0.25, a reward no built-in gives.
-# Its task factory leaves a marker naming the process and the file it was imported from, in `options.marker_dir`.
-COUNT_ENV = '''
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def readme_environment() -> str:
+    """The environment file the README's "Your own environment" shows, verbatim: the test runs what users read."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"\n( *)```python\n\1# count_env/env\.py.*?\n\1```\n", text, re.S)
+    assert m, "README.md has no count_env/env.py example"
+    return textwrap.dedent(m.group(0).strip("\n")).split("\n", 1)[1].rsplit("\n", 1)[0] + "\n"
+
+
+# Test-only: the README's environment whose task factory also leaves a marker (this process, and the file the module
+# was imported from) in `options.marker_dir`, so the test sees every host import it, and from where.
+MARKED = """
 import os
-import random
 
 from asyncrl.envs import EnvironmentSpec
-from asyncrl.tasks import Sample, Score, Task
-
-
-class CountTask(Task):
-    name = label = "count"
-
-    def __init__(self, eval_size):
-        self.eval_size = eval_size
-
-    def samples(self, split, seed):
-        rng = random.Random(f"{split}/{seed}")
-        i = 0
-        while split == "train" or i < self.eval_size:
-            digits = [rng.randrange(10) for _ in range(4)]
-            yield Sample(f"count/{split}/{i}", " ".join(map(str, digits)) + ">", str(sum(d > 4 for d in digits)),
-                         {"task": "count"})
-            i += 1
-
-    def score(self, completion, sample):
-        ok = completion.strip() == sample.answer
-        return Score(1.0 if ok else 0.25, "correct" if ok else "wrong")
+from count_env import env
 
 
 def make_task(source, task_config, where):
-    marker_dir = source.options.get("marker_dir")
-    if marker_dir:
-        with open(os.path.join(marker_dir, f"{os.getpid()}.txt"), "w") as f:
-            f.write(__file__)
-    return CountTask(task_config.eval_size)
+    with open(os.path.join(source.options["marker_dir"], f"{os.getpid()}.txt"), "w") as f:
+        f.write(env.__file__)
+    return env.make_task(source, task_config, where)
 
 
 ENVIRONMENT = EnvironmentSpec(task=make_task)
-'''
+"""
 
 
-def write_package(root, name="count_env", body=COUNT_ENV):
-    pkg = root / name
+def write_package(root):
+    pkg = root / "count_env"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "env.py").write_text(textwrap.dedent(body))
+    (pkg / "env.py").write_text(readme_environment())
+    (pkg / "marked.py").write_text(MARKED)
     return pkg
 
 
@@ -90,6 +80,7 @@ def test_a_user_environment_is_resolved_and_its_package_is_shipped(user_pkg):
     ("count_env.nope:ENVIRONMENT", "cannot import 'count_env.nope'"),
     ("count_env.env:MISSING", "'count_env.env' has no attribute 'MISSING'"),
     ("count_env.env:CountTask", "count_env.env:CountTask is a class, not an asyncrl.envs.EnvironmentSpec"),
+    ("count_env.marked:os", "count_env.marked:os is a module, not an asyncrl.envs.EnvironmentSpec"),
     ("count_env.env:BAD_TASK", "EnvironmentSpec.task='two_args' cannot be called as task(source, task_config, where)"),
     ("count_env.env:BAD_EPISODE", "EnvironmentSpec.episode='Episode' cannot be called as episode(prompt_ids, sample"),
     ("count_env.env", "must be a built-in environment (digits, lookup, math_file, reasoning_gym, textarena) or an "
@@ -132,25 +123,32 @@ def test_a_bad_import_path_fails_launch_at_once(tmp_path):
     assert not os.path.exists(tmp_path / "run")  # nothing started: not even the run directory
 
 
-def test_a_user_environment_trains_on_three_hosts(tmp_path):
-    """The package lives outside the repo and only the driver's PYTHONPATH names it: the hosts' own PYTHONPATH is the
-    repo's (`driver.host_env`), so they import it from the copy Ray's `py_modules` gave them."""
-    pkg = write_package(tmp_path / "user")
+def test_a_user_environment_trains_on_three_hosts(tmp_path, user_pkg):
+    """The README's environment, in a folder outside the repo that only the driver's PYTHONPATH names: the hosts' own
+    PYTHONPATH is the repo's (`driver.host_env`), so they import it from the copy Ray's `py_modules` gave them. Every
+    logged reward is the user's `score` of its completion."""
+    from count_env.env import CountTask
+
     markers = tmp_path / "markers"
     markers.mkdir()
     run_dir = str(tmp_path / "run")
-    source = f"[{{environment: 'count_env.env:ENVIRONMENT', options: {{marker_dir: '{markers}'}}}}]"
+    source = f"[{{environment: 'count_env.marked:ENVIRONMENT', options: {{marker_dir: '{markers}'}}}}]"
     res = launch(run_dir, *TINY, "train.total_steps=2", "eval.every_n_steps=0", "run.hosts=3",
                  "async.train_workers=1", "logging.rollouts_every_n_steps=1", f"task.sources={source}",
-                 env_extra={"PYTHONPATH": str(tmp_path / "user")})
+                 env_extra={"PYTHONPATH": str(user_pkg.parent)})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert [x["step"] for x in rows(run_dir)] == [1, 2]
     with open(os.path.join(run_dir, "rollouts.jsonl")) as f:
-        rewards = [c["reward"] for g in map(json.loads, f) for c in g.get("completions", [])]
-    assert rewards and set(rewards) <= {0.25, 1.0} and 0.25 in rewards  # the user's scorer graded every completion
+        groups = [g for g in map(json.loads, f) if "completions" in g]
+    task = CountTask(eval_size=0)
+    by_id = {s.id: s for s, _ in zip(task.samples("train", 0), range(1000))}
+    graded = [(task.score(c["text"], by_id[g["id"]]), c) for g in groups for c in g["completions"]]
+    assert len(graded) == 2 * 32  # every trained completion of both steps
+    assert all((s.reward, s.reason) == (c["reward"], c["reason"]) for s, c in graded)
+    assert any(c["reason"] == "no_answer" and c["text"].strip() for _, c in graded)  # digits would say "wrong"
     with open(os.path.join(run_dir, "hosts.json")) as f:
         hosts = json.load(f)
     made = {int(p.stem): p.read_text() for p in markers.iterdir()}
     assert {h["pid"] for h in hosts} <= set(made), (hosts, made)  # every host built the user's task
     for pid in (h["pid"] for h in hosts):  # from Ray's uploaded copy, not from the folder on the driver's path
-        assert made[pid].endswith(os.path.join("count_env", "env.py")) and not made[pid].startswith(str(pkg))
+        assert made[pid].endswith(os.path.join("count_env", "env.py")) and not made[pid].startswith(str(user_pkg))

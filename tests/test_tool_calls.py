@@ -2,6 +2,7 @@
 folders `tests/helpers.py` builds from packages: Qwen's and Llama 3's BPE, the templates trl ships); tool schemas
 rendered through `tools=`; results rendered back as the template's tool role; bad calls as error observations."""
 
+import itertools
 import json
 from types import SimpleNamespace
 
@@ -255,6 +256,19 @@ def test_a_source_with_tools_plays_tool_episodes_and_a_multi_turn_one_refuses_th
     assert "<tools>" in qwen3.decode(ids, skip_special_tokens=False) and len(opened) == 2
     assert all(isinstance(e, ToolEnv) for e in opened)
     assert envs.stop_sequences() == [tuple(qwen3.encode("</tool_call>"))]  # the run's format's, not every format's
+    # The format warm-start lays a mixture's examples out per source: the tool source's with the tools offered.
+    from asyncrl.envs import combine
+    from asyncrl.envs.tool_use import ToolWarmstart
+
+    cfg = TaskConfig(sources=[TaskSourceConfig(**src, tools=True),
+                              TaskSourceConfig(environment="reasoning_gym", options={"dataset": "chain_sum",
+                                                                                     "label": "plain"})], eval_size=4)
+    sources = build_sources(cfg)
+    warm = ToolWarmstart(combine(sources, cfg), envs.toolbox, {s.task.label for s in sources if s.tools})
+    examples = warm.warmstart_examples(qwen3, 8, 0, chat=True)
+    offered = ["<tools>" in qwen3.decode(ids, skip_special_tokens=False) for ids, _ in examples]
+    assert offered == [s.metadata["task"] == "products" for s in itertools.islice(warm.samples("train", 0), 8)]
+    assert any(offered) and not all(offered)
     with pytest.raises(ConfigError, match=r"task.sources\[0\].tools=True is invalid for environment 'lookup'"):
         build_sources(TaskConfig(sources=[TaskSourceConfig(environment="lookup", tools=True)]))
     with pytest.raises(ConfigError, match=r"task.sources\[0\].environment"):
