@@ -132,9 +132,8 @@ class Toolbox:
 
 
 class ToolEnv:
-    # The call-ending texts are the run's format's: `Environments.stop_sequences` asks the toolbox.
-    stop: tuple[str, ...] = ()
-    needs_toolbox = True
+    """A single-turn environment's answer, after turns that may call the run's tools (a source with `tools: true`).
+    Its turns end on the run's call format's stop texts (`Environments.stop_sequences` asks the toolbox)."""
 
     def __init__(self, prompt_ids: Sequence[int], sample: Any, verifier: Any, timeout_s: float, tokenizer: Any,
                  toolbox: Toolbox) -> None:
