@@ -198,12 +198,9 @@ class StepResult:
 class Environment(Protocol):
     """An episode, created per sampled trajectory. `reset` opens it with the prompt's token ids (every trajectory
     of a group opens identically); `step` answers each model turn. `step` may be slow (a tool, a game, a verifier):
-    the engine runs it off its decode thread. `stop`: token sequences that end a model turn besides EOS (a tool
-    call's closing tag), read from the registered factory (a class attribute; texts are encoded with the run's
-    tokenizer): the engine's decode program compiles in the union over the run's environments
-    (`Environments.stop_sequences`)."""
-
-    stop: tuple[str | tuple[int, ...], ...]
+    the engine runs it off its decode thread. What ends a model turn besides EOS (a tool call's closing tag) is its
+    environment's (`asyncrl.envs.EnvironmentSpec.stop`): the engine's decode program compiles in the union over the
+    run's environments (`Environments.stop_sequences`)."""
 
     def reset(self) -> list[int]: ...
 

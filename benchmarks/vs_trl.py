@@ -152,8 +152,8 @@ def mapping(s: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
 def load_problem(s: dict[str, Any]) -> tuple[Any, Any, list, list, str]:
     """(asyncrl config, task, train samples in asyncrl's order, eval samples, the model folder)."""
     from asyncrl.config.loader import load_config
+    from asyncrl.envs import build_task
     from asyncrl.models.sources import resolve_path
-    from asyncrl.tasks import build_task
 
     cfg = load_config(PRESET, asyncrl_overrides(s, "unused", 0))
     task = build_task(cfg.task)

@@ -144,7 +144,7 @@ def test_every_yaml_preset_loads():
 
 
 def test_smollm2_preset_loads_and_its_task_reads_both_answer_formats():
-    from asyncrl.tasks import build_task
+    from asyncrl.envs import build_task
 
     cfg = load_config("smollm2_arithmetic")
     assert cfg.model.source == "smollm2" and cfg.train.remat and cfg.inference.temperature == 0.7

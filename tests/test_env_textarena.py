@@ -19,15 +19,23 @@ import pytest
 
 pytest.importorskip("textarena")
 
-from asyncrl.envs import Environments  # noqa: E402
-from asyncrl.envs.textarena import TextArenaEnv, action_text, episode_reward  # noqa: E402
+from asyncrl.envs import Environments, Source, build_sources, build_task  # noqa: E402  # noqa: E402
+from asyncrl.envs.textarena import (  # noqa: E402  # noqa: E402
+    ENVIRONMENT,
+    INSTALL_HINT,
+    Game,
+    TextArenaEnv,
+    TextArenaTask,
+    action_text,
+    build_textarena,
+    episode_reward,
+)
 from asyncrl.inference.config import InferenceConfig  # noqa: E402
 from asyncrl.inference.engine import Engine, Request  # noqa: E402
 from asyncrl.models import Model, preset  # noqa: E402
 from asyncrl.models.tokenizer import Tokenizer  # noqa: E402
 from asyncrl.rollout import Prompt, Turn  # noqa: E402
-from asyncrl.tasks import TaskConfig, TaskSourceConfig, build_task  # noqa: E402
-from asyncrl.tasks.textarena import INSTALL_HINT, Game, TextArenaTask, build_textarena  # noqa: E402
+from asyncrl.tasks import TaskConfig, TaskSourceConfig  # noqa: E402
 from asyncrl.validate import ConfigError  # noqa: E402
 from tests.helpers import build_qwen3_tokenizer  # noqa: E402
 
@@ -209,9 +217,10 @@ def _check_games(out):
 def test_the_engine_plays_guess_the_number_with_the_tiny_model(model_params, tok):
     """Plain prompts, the character tokenizer: whatever the random model writes, the game scores it."""
     model, params = model_params
-    cfg = TaskConfig(sources=[TaskSourceConfig(name="textarena", options={"eval_size": 2})])
-    task = build_task(cfg)
-    envs = Environments(task, tok, None, chat=False, step_timeout_s=5.0)
+    cfg = TaskConfig(sources=[TaskSourceConfig(environment="textarena", options={"eval_size": 2})])
+    sources = build_sources(cfg)
+    task = sources[0].task
+    envs = Environments(sources, tok, None, chat=False, step_timeout_s=5.0)
     samples = list(itertools.islice(task.samples("train", 0), 2))
     reqs = [Request(Prompt(i, s, 2), *envs.open(s, 2)) for i, s in enumerate(samples)]
     icfg = InferenceConfig(group_size=2, max_decode_batch_size=4, max_prefill_prompts=2, max_seq_len=1024,
@@ -226,7 +235,7 @@ def test_the_engine_plays_chat_games_token_exact(qwen3):
     """Chat prompts through Qwen3's template: the same, and every observation is the template's user turn."""
     tok, model, params = qwen3
     task = TextArenaTask(template="chat")
-    envs = Environments(task, tok, None, chat=True, step_timeout_s=5.0)
+    envs = Environments([Source(task, ENVIRONMENT)], tok, None, chat=True, step_timeout_s=5.0)
     samples = [task.sample("train", 0, i) for i in range(2)]
     reqs = [Request(Prompt(i, s, 2), *envs.open(s, 2)) for i, s in enumerate(samples)]
     icfg = InferenceConfig(group_size=2, max_decode_batch_size=4, max_prefill_prompts=2, max_seq_len=384,
@@ -244,7 +253,7 @@ def test_the_engine_plays_chat_games_token_exact(qwen3):
 
 def test_config_errors_name_the_field(tok):
     def build(**opts):
-        return build_textarena(TaskSourceConfig(name="textarena", options=opts), TaskConfig(), "task.sources[0]")
+        return build_textarena(TaskSourceConfig(environment="textarena", options=opts), TaskConfig(), "task.sources[0]")
 
     assert build(env_ids=["GuessTheNumber-v0", "TowerOfHanoi-v0"], eval_size=3).eval_size == 3
     with pytest.raises(ConfigError, match=r"task.sources\[0\].options='max_turns' is invalid"):
@@ -254,8 +263,8 @@ def test_config_errors_name_the_field(tok):
     for two_player in ("TicTacToe-v0", "QuantumTicTacToe-v0"):  # one refuses 1 player, one plays it as 2
         with pytest.raises(ConfigError, match=f"{two_player}' cannot be opened as a single-player game"):
             build(env_ids=[two_player])
-    with pytest.raises(ConfigError, match="environment='single_turn' is invalid for a textarena source"):
-        build_task(TaskConfig(sources=[TaskSourceConfig(name="textarena", environment="single_turn")]))
+    with pytest.raises(ConfigError, match=r"task.sources\[0\].tools=True is invalid for environment 'textarena'"):
+        build_task(TaskConfig(sources=[TaskSourceConfig(environment="textarena", tools=True)]))
     with pytest.raises(NotImplementedError, match="scored by the game itself"):
         TextArenaTask().score("[3]", TextArenaTask().sample("train", 0, 0))
 
@@ -264,6 +273,6 @@ def test_a_missing_package_gives_the_install_hint(monkeypatch, tok):
     sample = TextArenaTask().sample("train", 0, 0)
     monkeypatch.setitem(sys.modules, "textarena", None)  # `import textarena` now raises ImportError
     with pytest.raises(ImportError, match=re.escape(INSTALL_HINT)):
-        build_textarena(TaskSourceConfig(name="textarena"), TaskConfig(), "task.sources[0]")
+        build_textarena(TaskSourceConfig(environment="textarena"), TaskConfig(), "task.sources[0]")
     with pytest.raises(ImportError, match=re.escape(INSTALL_HINT)):
         TextArenaEnv(tok.encode(sample.prompt), sample, None, 5.0, tok).reset()

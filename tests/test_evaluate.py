@@ -8,9 +8,10 @@ import jax
 import pytest
 
 from asyncrl.cli.evaluate import encode_prompts, main
+from asyncrl.envs.digits import DigitsTask
 from asyncrl.models import Model, preset, save_pretrained
 from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
-from asyncrl.tasks import REASONS, DigitsTask, Sample, Score, pass_at_k
+from asyncrl.tasks import REASONS, Sample, Score, pass_at_k
 from asyncrl.tasks.base import stable_hash
 
 

@@ -1,4 +1,4 @@
-"""Multi-turn RL end to end, in one process: the tiny model learns the lookup task (`tasks/lookup.py`), whose reward
+"""Multi-turn RL end to end, in one process: the tiny model learns the lookup task (`envs/lookup.py`), whose reward
 can only be reached through its environment, from chance (1 in 26) to above 0.9, with the real engine (episodes,
 the park store, extends), the task's environment and verifier, and the trainer; and its action rate rises."""
 
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl.envs import Environments
+from asyncrl.envs import Environments, Source
+from asyncrl.envs.lookup import ENVIRONMENT, LookupTask
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.models import Model, preset
@@ -21,7 +22,6 @@ from asyncrl.orchestration.collect import collect_rollouts
 from asyncrl.orchestration.staleness import Staleness
 from asyncrl.rollout import Prompt
 from asyncrl.tasks import Verifier, VerifierConfig
-from asyncrl.tasks.lookup import LookupTask
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
@@ -48,7 +48,7 @@ def test_rl_learns_to_use_the_lookup_action(tmp_path):
     model = Model(cfg)
     task = LookupTask(eval_size=256)  # ~10 prompts a letter: the copy is learned letter by letter
     verifier = Verifier(task, VerifierConfig(mode="exact", workers=0))
-    envs = Environments(task, tok, verifier, chat=False, step_timeout_s=30)
+    envs = Environments([Source(task, ENVIRONMENT)], tok, verifier, chat=False, step_timeout_s=30)
     loss_cfg = LossConfig(name="grpo", max_tokens=21)
     train_cfg = TrainConfig(train_batch_size=PROMPTS * GROUP, lr=2e-3, total_steps=600, pad_to_multiple=16,
                             warmup_steps=5, max_grad_norm=1.0)

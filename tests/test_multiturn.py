@@ -311,23 +311,17 @@ def test_a_weight_sync_between_turns_shows_in_the_versions_and_the_lag(model_par
 
 
 def test_the_run_stops_turns_on_its_environments_stop_sequences(model_params, tok):
-    """The stop sequences a task's environments name (texts or ids, on the registered factory) reach the engine:
-    `Environments.stop_sequences` is their union over the task (a mixture's sources too), encoded once."""
-    from asyncrl.envs import Environments, register_environment
-    from asyncrl.tasks.lookup import LookupTask
-    from asyncrl.tasks.mixture import MixtureTask
+    """The stop sequences a run's environments name (texts or ids, on their `EnvironmentSpec`) reach the engine:
+    `Environments.stop_sequences` is their union over the sources, encoded once."""
+    from asyncrl.envs import Environments, EnvironmentSpec, Source
+    from asyncrl.envs.lookup import LookupTask, build_lookup
 
-    class ToolEnv(ScriptedEnv):
-        stop = ("</t>", (7, 8))
-
-    register_environment("test_tool", ToolEnv)
-    tool = LookupTask(label="tool")
-    tool.environment = "test_tool"
-    plain = LookupTask(label="plain")
-    plain.environment = "single_turn"
-    envs = Environments(MixtureTask([tool, plain], [1.0, 1.0]), tok, None, chat=False, step_timeout_s=1)
+    stopping = Source(LookupTask(label="tool"), EnvironmentSpec(task=build_lookup, episode=ScriptedEnv,
+                                                                stop=("</t>", (7, 8))))
+    plain = Source(LookupTask(label="plain"), EnvironmentSpec(task=build_lookup))
+    envs = Environments([stopping, plain], tok, None, chat=False, step_timeout_s=1)
     assert envs.stop_sequences() == sorted([tuple(tok.encode("</t>")), (7, 8)])
-    assert Environments(plain, tok, None, chat=False, step_timeout_s=1).stop_sequences() == []
+    assert Environments([plain], tok, None, chat=False, step_timeout_s=1).stop_sequences() == []
     model, params = model_params
     eng = Engine(model, params, BASE, tok, seed=1, stop=envs.stop_sequences())
     assert tuple(tok.encode("</t>")) in eng.stop

@@ -1,6 +1,8 @@
 """`launch.py submit` (`asyncrl/orchestration/submit.py`) to a head that has just started: Ray answers "No
-available agent to submit job" until the head's dashboard agent is up, and the submission waits for it, bounded."""
+available agent to submit job" until the head's dashboard agent is up, and the submission waits for it, bounded. The
+user's environment package travels with the job."""
 
+import sys
 import time
 
 import pytest
@@ -69,3 +71,24 @@ def test_the_cli_passes_the_bound_and_checks_it(fake, capsys):
     assert client.calls
     assert cli.main("submit", ["--address", "http://127.0.0.1:8265", "--agent-wait-s", "-1"]) == 2
     assert "--agent-wait-s must be >= 0" in capsys.readouterr().err
+
+
+def test_submit_sends_the_users_environment_package_with_the_job(fake, tmp_path, monkeypatch, capsys):
+    """`launch.py submit` imports the run's environments first (a bad one is a config error, nothing submitted) and
+    sends the package that holds the user's one with the job (`py_modules`), beside the repo (`working_dir`)."""
+    from asyncrl.cli import jobs as cli
+
+    pkg = tmp_path / "my_env"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from asyncrl.envs.digits import ENVIRONMENT  # noqa: F401\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    client = fake(FakeClient(refusals=0))
+    addr = ["--address", "http://127.0.0.1:8265"]
+    assert cli.main("submit", addr + ["task.sources=[{environment: 'my_env:ENVIRONMENT'}]"]) == 0
+    env = client.calls[-1]["runtime_env"]
+    assert env["py_modules"] == [str(pkg)] and env["working_dir"] and ".git" in env["excludes"]
+    assert cli.main("submit", addr) == 0 and "py_modules" not in client.calls[-1]["runtime_env"]  # built-ins only
+    assert cli.main("submit", addr + ["task.sources=[{environment: 'my_env:NOPE'}]"]) == 2 and len(client.calls) == 2
+    assert "task.sources[0].environment='my_env:NOPE' is invalid: 'my_env' has no attribute 'NOPE'" in \
+        capsys.readouterr().err
+    del sys.modules["my_env"]

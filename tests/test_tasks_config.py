@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from asyncrl.tasks import MixtureTask, TaskConfig, TaskSourceConfig, VerifierConfig, build_task, config as config_module
-from asyncrl.tasks.math_loader import DAPO_PREFIX, DAPO_SUFFIX
+from asyncrl.envs import build_task
+from asyncrl.envs.math_loader import DAPO_PREFIX, DAPO_SUFFIX
+from asyncrl.tasks import MixtureTask, TaskConfig, TaskSourceConfig, VerifierConfig, config as config_module
 
 PRESETS = os.path.join(os.path.dirname(__file__), "..", "configs", "task")
 
@@ -48,12 +49,13 @@ def test_validation_errors_name_the_dotted_key(make, message):
 
 def test_yaml_override_errors_name_the_indexed_key():
     with pytest.raises(ValueError, match=r"task.sources\[0\].weight=-1.0 is invalid: must be > 0"):
-        load_preset("digits", sources=[{"name": "digits", "weight": -1}])
+        load_preset("digits", sources=[{"environment": "digits", "weight": -1}])
 
 
-def test_unknown_task_name_fails_at_build():
-    with pytest.raises(ValueError, match=r"task.sources\[0\].name='chess' is invalid: must be one of .*digits"):
-        build_task(TaskConfig(sources=[TaskSourceConfig(name="chess")]))
+def test_unknown_environment_fails_at_build():
+    with pytest.raises(ValueError, match=r"task.sources\[0\].environment='chess' is invalid: must be a built-in "
+                                         r"environment \(digits, .*\) or an import path"):
+        build_task(TaskConfig(sources=[TaskSourceConfig(environment="chess")]))
 
 
 def test_duplicate_labels_fail_at_build():

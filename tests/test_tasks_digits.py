@@ -4,8 +4,9 @@ import itertools
 
 import pytest
 
-from asyncrl.tasks import DIGITS_CHARSET, TaskConfig, TaskSourceConfig, build_task
-from asyncrl.tasks.digits import OPS, DigitsOptions, DigitsTask
+from asyncrl.envs import build_task
+from asyncrl.envs.digits import CHARSET as DIGITS_CHARSET, OPS, DigitsOptions, DigitsTask
+from asyncrl.tasks import TaskConfig, TaskSourceConfig
 
 
 def _digits(prompt: str) -> list[int]:
@@ -77,12 +78,12 @@ def test_reward_is_exact_match_of_the_stripped_completion():
 
 
 def test_build_and_option_errors():
-    task = build_task(TaskConfig(sources=[TaskSourceConfig(name="digits", options={"op": "min", "max_digits": 4})],
+    task = build_task(TaskConfig(sources=[TaskSourceConfig(options={"op": "min", "max_digits": 4})],
                                  eval_size=10))
     assert isinstance(task, DigitsTask) and task.options.op == "min" and len(list(task.samples("eval", 0))) == 10
     with pytest.raises(ValueError, match=r"task.sources\[0\].options.op='median' is invalid"):
-        build_task(TaskConfig(sources=[TaskSourceConfig(name="digits", options={"op": "median"})]))
+        build_task(TaskConfig(sources=[TaskSourceConfig(options={"op": "median"})]))
     with pytest.raises(ValueError, match=r"task.sources\[0\].options.max_digits=2 is invalid"):
-        build_task(TaskConfig(sources=[TaskSourceConfig(name="digits", options={"min_digits": 3, "max_digits": 2})]))
+        build_task(TaskConfig(sources=[TaskSourceConfig(options={"min_digits": 3, "max_digits": 2})]))
     with pytest.raises(ValueError, match=r"task.sources\[0\].options='colour'"):
-        build_task(TaskConfig(sources=[TaskSourceConfig(name="digits", options={"colour": 1})]))
+        build_task(TaskConfig(sources=[TaskSourceConfig(options={"colour": 1})]))

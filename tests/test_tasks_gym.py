@@ -4,8 +4,9 @@ import itertools
 
 import pytest
 
-from asyncrl.tasks import TaskConfig, TaskSourceConfig, build_task
-from asyncrl.tasks.gym import GymTask
+from asyncrl.envs import build_task
+from asyncrl.envs.reasoning_gym import GymTask
+from asyncrl.tasks import TaskConfig, TaskSourceConfig
 
 DATASETS = ["basic_arithmetic", "chain_sum", "gsm_symbolic", "countdown"]
 
@@ -54,13 +55,13 @@ def test_countdown_scorer_never_sees_python():
 
 
 def test_build_from_config_and_option_errors():
-    cfg = TaskConfig(sources=[TaskSourceConfig(name="reasoning_gym", options={"dataset": "chain_sum", "max_terms": 3})],
-                     eval_size=2)
+    cfg = TaskConfig(sources=[TaskSourceConfig(environment="reasoning_gym",
+                                               options={"dataset": "chain_sum", "max_terms": 3})], eval_size=2)
     task = build_task(cfg)
     assert isinstance(task, GymTask) and task.generator_kwargs == {"max_terms": 3}
     with pytest.raises(ValueError, match=r"task.sources\[0\].options.dataset='string_insertion'"):
-        build_task(TaskConfig(sources=[TaskSourceConfig(name="reasoning_gym",
+        build_task(TaskConfig(sources=[TaskSourceConfig(environment="reasoning_gym",
                                                         options={"dataset": "string_insertion"})]))
     with pytest.raises(ValueError, match=r"task.sources\[0\].options=.*bogus"):
-        build_task(TaskConfig(sources=[TaskSourceConfig(name="reasoning_gym",
+        build_task(TaskConfig(sources=[TaskSourceConfig(environment="reasoning_gym",
                                                         options={"dataset": "chain_sum", "bogus": 1})]))

@@ -9,9 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.tasks import TaskConfig, TaskSourceConfig, build_task
-from asyncrl.tasks.math_files import MathFileTask
-from asyncrl.tasks.math_loader import DAPO_PREFIX, DAPO_SUFFIX, MathFileLoader, detect_schema
+from asyncrl.envs import build_task
+from asyncrl.envs.math_file import MathFileTask
+from asyncrl.envs.math_loader import DAPO_PREFIX, DAPO_SUFFIX, MathFileLoader, detect_schema
+from asyncrl.tasks import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.prompts import PromptFormat
 
 
@@ -85,7 +86,7 @@ def test_each_layout_loads_and_reports_malformed_rows(tmp_path, caplog, schema, 
     path = tmp_path / f"{schema}.{fmt}"
     bad = write_jsonl(path, schema) if fmt == "jsonl" else write_parquet(path, schema)
     loader = MathFileLoader(str(path))
-    with caplog.at_level(logging.WARNING, logger="asyncrl.tasks.math_files"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.envs.math_file"):
         rows = loader.load()
     assert loader.schema_name == schema
     assert [r.answer for r in rows] == [EXPECTED_ANSWER[schema](i) for i in (1, 2, 3)]
@@ -228,14 +229,14 @@ def test_scoring_accepts_each_datasets_own_answer_format(tmp_path):
 
 def test_build_from_config(tmp_path):
     path = _many(tmp_path, n=20)
-    cfg = TaskConfig(sources=[TaskSourceConfig(name="math_file", path=path, options={"label": "m5"})],
+    cfg = TaskConfig(sources=[TaskSourceConfig(environment="math_file", path=path, options={"label": "m5"})],
                      prompt_template="chat", eval_size=4)
     task = build_task(cfg)
     assert isinstance(task, MathFileTask) and task.label == "m5"
     ev = list(task.samples("eval", cfg.seed))
     assert len(ev) == 4 and all(s.id.startswith("m5/") and s.metadata["task"] == "m5" for s in ev)
-    bad = TaskConfig(sources=[TaskSourceConfig(name="math_file", path=str(tmp_path / "missing.jsonl"))])
+    bad = TaskConfig(sources=[TaskSourceConfig(environment="math_file", path=str(tmp_path / "missing.jsonl"))])
     with pytest.raises(ValueError, match=r"task.sources\[0\].path=.*missing.jsonl"):
         build_task(bad)
     with pytest.raises(ValueError, match=r"task.sources\[0\].options.*nope"):
-        build_task(TaskConfig(sources=[TaskSourceConfig(name="math_file", path=path, options={"nope": 1})]))
+        build_task(TaskConfig(sources=[TaskSourceConfig(environment="math_file", path=path, options={"nope": 1})]))

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from asyncrl.envs.digits import DigitsOptions, DigitsTask
+from asyncrl.envs.math_file import MathFileTask
 from asyncrl.tasks import MixtureTask, Sample, Verifier, VerifierConfig
-from asyncrl.tasks.digits import DigitsOptions, DigitsTask
-from asyncrl.tasks.math_files import MathFileTask
 
 
 def _digits(op):

@@ -2,6 +2,7 @@
 folders `tests/helpers.py` builds from packages: Qwen's and Llama 3's BPE, the templates trl ships); tool schemas
 rendered through `tools=`; results rendered back as the template's tool role; bad calls as error observations."""
 
+import itertools
 import json
 from types import SimpleNamespace
 
@@ -241,25 +242,37 @@ def test_tool_metrics_count_calls_errors_latency_and_episodes():
     assert "tools/calls" not in episode_metrics([comp([ok])])  # a run without tools has no tool metrics
 
 
-def test_a_source_names_its_environment_and_an_unknown_one_fails_at_start(qwen3):
-    from asyncrl.envs import Environments
+def test_a_source_with_tools_plays_tool_episodes_and_a_multi_turn_one_refuses_them(qwen3):
+    from asyncrl.envs import Environments, build_sources
     from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
-    from asyncrl.tasks.registry import build_task
     from asyncrl.validate import ConfigError
 
-    src = dict(name="reasoning_gym", options={"dataset": "products", "min_digits": 3, "max_digits": 3})
-    task = build_task(TaskConfig(sources=[TaskSourceConfig(**src, environment="tools")], eval_size=4))
-    assert task.environments() == {"tools"}
-    envs = Environments(task, qwen3, None, chat=True, step_timeout_s=5)
-    sample = next(iter(task.samples("train", 0)))
+    src = dict(environment="reasoning_gym", options={"dataset": "products", "min_digits": 3, "max_digits": 3})
+    sources = build_sources(TaskConfig(sources=[TaskSourceConfig(**src, tools=True)], eval_size=4))
+    assert [s.tools for s in sources] == [True]
+    envs = Environments(sources, qwen3, None, chat=True, step_timeout_s=5)
+    sample = next(iter(sources[0].task.samples("train", 0)))
     ids, opened = envs.open(sample, 2)
     assert "<tools>" in qwen3.decode(ids, skip_special_tokens=False) and len(opened) == 2
+    assert all(isinstance(e, ToolEnv) for e in opened)
     assert envs.stop_sequences() == [tuple(qwen3.encode("</tool_call>"))]  # the run's format's, not every format's
-    task = build_task(TaskConfig(sources=[TaskSourceConfig(**src, environment="tool")], eval_size=4))
-    with pytest.raises(ValueError, match=r"\['tool'\].*registered"):
-        Environments(task, qwen3, None, chat=True, step_timeout_s=5)
+    # The format warm-start lays a mixture's examples out per source: the tool source's with the tools offered.
+    from asyncrl.envs import combine
+    from asyncrl.envs.tool_use import ToolWarmstart
+
+    cfg = TaskConfig(sources=[TaskSourceConfig(**src, tools=True),
+                              TaskSourceConfig(environment="reasoning_gym", options={"dataset": "chain_sum",
+                                                                                     "label": "plain"})], eval_size=4)
+    sources = build_sources(cfg)
+    warm = ToolWarmstart(combine(sources, cfg), envs.toolbox, {s.task.label for s in sources if s.tools})
+    examples = warm.warmstart_examples(qwen3, 8, 0, chat=True)
+    offered = ["<tools>" in qwen3.decode(ids, skip_special_tokens=False) for ids, _ in examples]
+    assert offered == [s.metadata["task"] == "products" for s in itertools.islice(warm.samples("train", 0), 8)]
+    assert any(offered) and not all(offered)
+    with pytest.raises(ConfigError, match=r"task.sources\[0\].tools=True is invalid for environment 'lookup'"):
+        build_sources(TaskConfig(sources=[TaskSourceConfig(environment="lookup", tools=True)]))
     with pytest.raises(ConfigError, match=r"task.sources\[0\].environment"):
-        TaskConfig(sources=[TaskSourceConfig(**src, environment="")])
+        TaskConfig(sources=[TaskSourceConfig(environment="")])
 
 
 def test_llama31_episode_reads_the_call_from_the_sampled_ids(llama):

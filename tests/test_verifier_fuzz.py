@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from asyncrl.envs.math_file import MathFileTask
 from asyncrl.tasks import Sample, Verifier, VerifierConfig
 from asyncrl.tasks.extract import ANSWER_FORMATS
-from asyncrl.tasks.math_files import MathFileTask
 
 GOLDS = [r"\frac{31337}{7919}", r"\sqrt{7919}+\frac{1}{31337}"]
 MB = 1 << 20

@@ -10,9 +10,9 @@ from concurrent.futures import as_completed
 
 import pytest
 
+from asyncrl.envs.math_file import MathFileTask
 from asyncrl.tasks import Sample, Score, Task, Verifier, VerifierConfig
 from asyncrl.tasks.extract import AnswerLimits
-from asyncrl.tasks.math_files import MathFileTask
 
 # Pre-filters off, so hostile answers reach sympy and only the time limits stand in the way.
 PERMISSIVE = AnswerLimits(max_chars=10_000, max_depth=1_000, max_exponent_digits=1_000, max_factorial_digits=1_000)

@@ -3,10 +3,10 @@ prompt, and the task's scorer reads them back."""
 
 import itertools
 
+from asyncrl.envs.digits import DigitsTask
+from asyncrl.envs.reasoning_gym import GymTask
 from asyncrl.models.tokenizer import Tokenizer, build_char_tokenizer
-from asyncrl.tasks.digits import DigitsTask
 from asyncrl.tasks.extract import ANSWER_FORMATS, extract_answer, render_answer
-from asyncrl.tasks.gym import GymTask
 from asyncrl.tasks.mixture import MixtureTask
 from asyncrl.train.warmstart import _examples
 

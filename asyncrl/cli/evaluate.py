@@ -190,13 +190,14 @@ def run(args: argparse.Namespace) -> int:
     import jax
     from tqdm import tqdm
 
+    from asyncrl.envs import build_task
     from asyncrl.inference.config import InferenceConfig
     from asyncrl.inference.engine import Request
     from asyncrl.inference.replicas import ReplicaSet
     from asyncrl.models import from_pretrained
     from asyncrl.models.tokenizer import Tokenizer
     from asyncrl.rollout import Prompt
-    from asyncrl.tasks import Verifier, build_task
+    from asyncrl.tasks import Verifier
 
     task = build_task(task_cfg)
     tokenizer = Tokenizer.from_folder(folder)

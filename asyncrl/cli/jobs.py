@@ -22,15 +22,18 @@ def main(command: str, argv: Sequence[str]) -> int:
         ap.add_argument("--agent-wait-s", type=float, default=jobs.AGENT_WAIT_S,
                         help="how long to wait for a just-started head's job agent (default: %(default)ss)")
         args, rest = ap.parse_known_args(list(argv))
+        from asyncrl.orchestration.plugins import import_environments
+
         try:
-            load_config(*split_config_name(rest))  # validate here, not minutes later on the cluster
+            cfg = load_config(*split_config_name(rest))  # validate here, not minutes later on the cluster
+            py_modules = import_environments(cfg.task)  # the user's environment packages travel with the job
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         if args.agent_wait_s < 0:
             print(f"error: --agent-wait-s must be >= 0, got {args.agent_wait_s}", file=sys.stderr)
             return 2
-        return jobs.submit(args.address, rest, args.python, args.wait, args.agent_wait_s)
+        return jobs.submit(args.address, rest, args.python, args.wait, args.agent_wait_s, py_modules)
     ap.add_argument("job_id")
     args = ap.parse_args(list(argv))
     return getattr(jobs, command)(args.address, args.job_id)

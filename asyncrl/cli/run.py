@@ -11,8 +11,11 @@ from asyncrl.validate import ConfigError
 
 
 def main(argv: Sequence[str]) -> int:
+    from asyncrl.orchestration.plugins import import_environments
+
     try:
         cfg = load_config(*split_config_name(argv))
+        import_environments(cfg.task)  # a bad environment fails now, naming its key, before Ray starts
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
-    """The tools of task sources played in the 'tools' environment (`task.sources[i].environment=tools`)."""
+    """The tools of task sources played with tools (`task.sources[i].tools=true`)."""
 
     def __post_init__(self) -> None:
         validate_loss(self.loss)

@@ -11,8 +11,6 @@ from asyncrl.rollout import StepResult, Turn
 
 
 class SingleTurnEnv:
-    stop: tuple[tuple[int, ...], ...] = ()
-
     def __init__(self, prompt_ids: Sequence[int], sample: Any, verifier: Any, timeout_s: float):
         """`verifier`: a `tasks.Verifier` (its `submit` returns a future of a Score); `timeout_s`: how long the
         step waits for the grade before it fails (the engine then ends the episode with reward 0)."""

@@ -132,9 +132,8 @@ class Toolbox:
 
 
 class ToolEnv:
-    # The call-ending texts are the run's format's: `Environments.stop_sequences` asks the toolbox.
-    stop: tuple[str, ...] = ()
-    needs_toolbox = True
+    """A single-turn environment's answer, after turns that may call the run's tools (a source with `tools: true`).
+    Its turns end on the run's call format's stop texts (`Environments.stop_sequences` asks the toolbox)."""
 
     def __init__(self, prompt_ids: Sequence[int], sample: Any, verifier: Any, timeout_s: float, tokenizer: Any,
                  toolbox: Toolbox) -> None:
@@ -174,8 +173,9 @@ class ToolWarmstart:
 
     LAYOUT = 2  # in the warm-start's cache key: bumped whenever these examples change
 
-    def __init__(self, task: Any, toolbox: Toolbox) -> None:
-        self.task, self.toolbox = task, toolbox
+    def __init__(self, task: Any, toolbox: Toolbox, tool_labels: set[str]) -> None:
+        """`tool_labels`: the labels of the sources played with tools (a mixture's other sources answer at once)."""
+        self.task, self.toolbox, self.tool_labels = task, toolbox, set(tool_labels)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.task, name)
@@ -192,7 +192,7 @@ class ToolWarmstart:
         out = []
         for s in samples:
             answer = tokenizer.encode(self.task.render_answer(rng.choice(answers), s)) + eos
-            if self.task.environment_for(s) != "tools":
+            if s.metadata.get("task", self.task.label) not in self.tool_labels:
                 prompt = tokenizer.encode_prompt(s.prompt, chat=chat)
                 out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
                 continue

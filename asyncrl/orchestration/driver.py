@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from asyncrl.orchestration import evals, jsonl, logs, rollout_log
+from asyncrl.orchestration import evals, jsonl, logs, plugins, rollout_log
 from asyncrl.orchestration.failures import HostFailure, failure_of, report_late_failures, root_cause
 from asyncrl.orchestration.host import HostActor, role_of
 from asyncrl.orchestration.metrics import MetricsSink
@@ -53,13 +53,19 @@ def latest_checkpoint(run_dir: str) -> int | None:
 LOOPBACK = "127.0.0.1"
 
 
-def _connect(cfg: DriverConfig) -> bool:
-    """Returns True if this driver started the cluster (and so must shut it down)."""
+def _connect(cfg: DriverConfig, py_modules: list[str]) -> bool:
+    """Returns True if this driver started the cluster (and so must shut it down). `py_modules`: the user's
+    environment packages (`plugins.py`), given to the job's runtime_env: Ray uploads local folders only at the job
+    level, and every host actor inherits them from it (on its path, beside its own env_vars)."""
     if ray.is_initialized():
         return False
+    ship = {"py_modules": py_modules} if py_modules else {}
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        # Under `launch.py submit` the job's own runtime_env already carries them (`submit.py`); naming them again
+        # would be a conflict Ray refuses.
+        in_job = plugins.RAY_JOB_CONFIG in os.environ
+        ray.init(address=address, logging_level=logging.WARNING, runtime_env=None if in_job else ship or None)
         return False
     extra: dict[str, Any] = {}
     if cfg.run.dashboard:
@@ -69,7 +75,7 @@ def _connect(cfg: DriverConfig) -> bool:
     # address="local": always a new cluster of our own, never one that `ray start` left running on this machine.
     ctx = ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=cfg.run.dashboard,
                    logging_level=logging.WARNING,
-                   runtime_env={"env_vars": {"PYTHONPATH": _project_root()}}, **extra)
+                   runtime_env={"env_vars": {"PYTHONPATH": _project_root()}, **ship}, **extra)
     if cfg.run.dashboard:
         port = next((n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive")), None)
         if not ctx.dashboard_url:  # e.g. the port is taken; the run itself does not need it
@@ -305,6 +311,8 @@ def run(cfg: DriverConfig, config_yaml: str) -> int:
     """The run, restarted from its latest checkpoint on a host failure (`run.max_restarts`); `config_yaml` is the
     resolved config, written to the run dir."""
     logs.configure(cfg.logging.level, "%(asctime)s [driver] %(message)s")
+    # Before anything starts: a bad environment fails here, naming its key, and the user's packages are found.
+    py_modules = plugins.import_environments(cfg.host.trainer.task)
     run_dir = run_dir_of(cfg)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -313,7 +321,7 @@ def run(cfg: DriverConfig, config_yaml: str) -> int:
         for d in ("checkpoints", "reference"):
             if os.path.isdir(os.path.join(run_dir, d)):
                 shutil.rmtree(os.path.join(run_dir, d))
-    started = _connect(cfg)
+    started = _connect(cfg, py_modules)
     restarts = 0
     code = 0
     sink: MetricsSink | None = None

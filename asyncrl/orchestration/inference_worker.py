@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from asyncrl.envs import Environments
+from asyncrl.envs import Environments, build_sources, combine
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet
 from asyncrl.orchestration import faults
@@ -27,7 +27,7 @@ from asyncrl.orchestration.queues import RPC, QueueTimeout
 from asyncrl.orchestration.role_config import InferenceRoleConfig
 from asyncrl.rollout import Rollout
 from asyncrl.sharding.roles import split_roles
-from asyncrl.tasks import Verifier, build_task
+from asyncrl.tasks import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -276,9 +276,10 @@ class InferenceWorker:
         cfg = self.cfg
         mcfg = model_config(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model, self.run_dir)
-        self.task = build_task(cfg.task)
+        sources = build_sources(cfg.task)
+        self.task = combine(sources, cfg.task)
         self.verifier = Verifier(self.task, cfg.task.verifier)
-        self.envs = Environments(self.task, self.tokenizer, self.verifier, chat=cfg.task.prompt_template == "chat",
+        self.envs = Environments(sources, self.tokenizer, self.verifier, chat=cfg.task.prompt_template == "chat",
                                  step_timeout_s=cfg.task.verifier.timeout_s * 4 + 30, tools=cfg.tools)
         self.transfer = HopChainTransfer(cfg.async_.train_workers, jax.devices(), bucket_mb=cfg.weightsync.bucket_mb,
                                          timeout_s=cfg.weightsync.timeout_s)

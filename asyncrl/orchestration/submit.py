@@ -60,15 +60,19 @@ def submit_when_ready(client, wait_s: float = AGENT_WAIT_S, **job) -> str:
 
 
 def submit(address: str | None, launch_args: Sequence[str], python: str | None = None, wait: bool = False,
-           agent_wait_s: float = AGENT_WAIT_S) -> int:
+           agent_wait_s: float = AGENT_WAIT_S, py_modules: Sequence[str] = ()) -> int:
+    """Submit the run as a Ray Job: the repo as its working_dir, and `py_modules` (the user's environment packages,
+    `plugins.py`) beside it, so the driver on the head imports them and ships them on to the hosts."""
     client = _client(address)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     addr = _address(address)
     local = any(h in addr for h in ("127.0.0.1", "localhost"))
     py = python or (sys.executable if local else "python")
     entry = " ".join([shlex.quote(py), "launch.py", *map(shlex.quote, launch_args)])
-    job_id = submit_when_ready(client, agent_wait_s, entrypoint=entry,
-                               runtime_env={"working_dir": root, "excludes": EXCLUDES})
+    runtime_env = {"working_dir": root, "excludes": EXCLUDES}
+    if py_modules:
+        runtime_env["py_modules"] = list(py_modules)
+    job_id = submit_when_ready(client, agent_wait_s, entrypoint=entry, runtime_env=runtime_env)
     print(f"submitted job {job_id}")
     print(f"dashboard: {addr.rstrip('/')}/#/jobs/{job_id}")
     print(f"follow:    python launch.py logs {job_id}   |   status: python launch.py status {job_id}")

@@ -18,10 +18,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from asyncrl.envs import build_sources, combine
 from asyncrl.orchestration.checkpoint import TrainerCheckpoints, has_checkpoint, open_checkpoints, resume_latest
 from asyncrl.orchestration.role_config import TrainerRoleConfig
 from asyncrl.sharding.roles import split_roles
-from asyncrl.tasks import build_task
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,13 @@ def warmstart(cfg: TrainerRoleConfig, trainer: Any, model: Any, run_dir: str) ->
     from asyncrl.train.warmstart import cached_format_warmstart
 
     # Every trainer host computes the same thing (same seed, same data), so no broadcast is needed.
-    task, tokenizer, key = build_task(cfg.task), load_tokenizer(cfg.model, run_dir), cfg.task
-    if "tools" in task.environments():  # examples in the tool episodes' own layout
+    sources = build_sources(cfg.task)
+    task, tokenizer, key = combine(sources, cfg.task), load_tokenizer(cfg.model, run_dir), cfg.task
+    tool_labels = {s.task.label for s in sources if s.tools}
+    if tool_labels:  # examples in the tool episodes' own layout
         from asyncrl.envs.tool_use import Toolbox, ToolWarmstart
 
-        task = ToolWarmstart(task, Toolbox(cfg.tools, tokenizer, cfg.task.prompt_template == "chat"))
+        task = ToolWarmstart(task, Toolbox(cfg.tools, tokenizer, cfg.task.prompt_template == "chat"), tool_labels)
         key = (cfg.task, cfg.tools, ToolWarmstart.LAYOUT)
     params = cached_format_warmstart(
         model, trainer.params_for_inference(jnp.float32), tokenizer,

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asyncrl.envs import build_task
 from asyncrl.orchestration import faults, jsonl
 from asyncrl.orchestration.collect import collect_rollouts
 from asyncrl.orchestration.evals import Evals
@@ -34,7 +35,6 @@ from asyncrl.orchestration.role_config import TrainerRoleConfig
 from asyncrl.orchestration.rollout_log import drop_record, log_rollouts, rollouts_path
 from asyncrl.orchestration.staleness import Staleness, StragglerWait
 from asyncrl.orchestration.trainer_setup import build_trainer
-from asyncrl.tasks import build_task
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class TrainerWorker:
         a = cfg.async_
         self.straggler = StragglerWait(a.straggler_wait_s, a.straggler_wait_max_s, a.straggler_wait_adaptive)
         # Tool metrics have a fixed key set on every host of a run whose tasks use tools (combined by position).
-        self.tool_metrics = any(src.environment == "tools" for src in cfg.task.sources)
+        self.tool_metrics = any(src.tools for src in cfg.task.sources)
         self.stop = threading.Event()
         self.feeder: Feeder | None = None
         self.evals: Evals | None = None

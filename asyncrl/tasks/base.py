@@ -1,4 +1,4 @@
-"""What every task is: samples in, a score out (the registry that builds tasks by name is `registry.py`).
+"""What every task is: samples in, a score out (an environment pairs its task with its episodes: `asyncrl/envs`).
 
 A `Task` is deliberately small: `samples(split, seed)` yields prompts with their gold answers, and
 `score(completion, sample)` grades one completion. Scoring is a pure function of its arguments, so the
@@ -71,9 +71,6 @@ class Task(abc.ABC):
     name: str = "task"
     label: str = "task"
     """Names this source in sample ids, metadata["task"] and per-source metrics; unique within a mixture."""
-    environment: str = "single_turn"
-    """The environment its samples are played in (`asyncrl/envs`): 'single_turn' answers once and is graded by
-    `score`; a multi-turn task names its own (registered with `asyncrl.envs.register_environment`)."""
     # Attributes rebuilt lazily after unpickling (file contents, generator objects): a verifier worker needs
     # only what `score` reads, so these are not shipped to it.
     _transient: tuple[str, ...] = ()
@@ -93,14 +90,6 @@ class Task(abc.ABC):
         """`answer` written the way a completion for `sample` should state it (e.g. `\\boxed{answer}`): the
         target text of the format warm-start. The default is the bare answer."""
         return answer
-
-    def environment_for(self, sample: Sample) -> str:
-        """The environment `sample` is played in (a mixture asks its source)."""
-        return self.environment
-
-    def environments(self) -> set[str]:
-        """Every environment its samples may be played in."""
-        return {self.environment}
 
     def warmup(self) -> None:
         """Pay one-time import/compile costs (a verifier worker calls this before taking work). An optional hook,

@@ -29,8 +29,11 @@ class TaskSourceConfig:
     `task.sources[2].weight=...`); task-specific `options` are validated when the task is built.
     """
 
-    name: str = "digits"
-    """Registered task: 'digits' (our tiny task), 'reasoning_gym' (generated problems), 'math_file' (local files)."""
+    environment: str = "digits"
+    """The environment its samples come from and are played in (its task data and its episodes, together): an import
+    path 'package.module:ATTRIBUTE' naming an `asyncrl.envs.EnvironmentSpec` (your own package: it travels to every
+    host with the run), or a built-in one: 'digits' (our tiny task), 'reasoning_gym' (generated problems),
+    'math_file' (local files), 'lookup' (a two-turn lookup), 'textarena' (text games)."""
     weight: float = 1.0
     """Relative share of training samples drawn from this source (> 0); weights need not sum to 1."""
     path: str | None = None
@@ -44,17 +47,15 @@ class TaskSourceConfig:
     """Which split this source feeds: 'train', 'eval', or 'both' (then `task.eval_size` items are held out)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Task-specific settings, e.g. digits {op: max, min_digits: 3}, reasoning_gym {dataset: chain_sum, ...}."""
-    environment: str | None = None
-    """The environment its samples are played in: null = the task's own ('single_turn' for a task with an answer:
-    graded once); 'tools' = turns that may call the run's `tools` (a sandboxed Python) before answering."""
+    tools: bool = False
+    """Let the model call the run's `tools` (a sandboxed Python) in turns before it answers; the answer is graded as
+    without tools. Only for a single-turn environment (a multi-turn one decides its own turns)."""
 
     def validate(self, where: str) -> None:
-        check(f"{where}.name", self.name, bool(self.name), "a registered task name")
+        check(f"{where}.environment", self.environment, isinstance(self.environment, str) and bool(self.environment),
+              "a built-in environment name or an import path 'package.module:ATTRIBUTE'")
         check(f"{where}.weight", self.weight, self.weight > 0, "> 0")
         check_choice(f"{where}.split", self.split, SOURCE_SPLITS)
-        if self.environment is not None:  # the name is checked against the registered ones when the run starts
-            check(f"{where}.environment", self.environment,
-                  isinstance(self.environment, str) and bool(self.environment), "an environment name, e.g. 'tools'")
         if self.schema is not None:
             check_choice(f"{where}.schema", self.schema, MATH_FILE_SCHEMAS)
         for key, column in self.field_map.items():

@@ -62,12 +62,6 @@ class MixtureTask(Task):
             raise KeyError(f"sample {sample.id!r} has metadata task={label!r}; this mixture has {list(self.by_label)}")
         return self.by_label[label].score(completion, sample)
 
-    def environment_for(self, sample: Sample) -> str:
-        return self.by_label[sample.metadata.get("task")].environment_for(sample)
-
-    def environments(self) -> set[str]:
-        return set().union(*(t.environments() for t in self.tasks))
-
     def render_answer(self, answer: str, sample: Sample) -> str:
         return self.by_label[sample.metadata.get("task")].render_answer(answer, sample)
 

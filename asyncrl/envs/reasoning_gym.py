@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from asyncrl.envs.spec import EnvironmentSpec
 from asyncrl.tasks.base import Sample, Score, Task, check_split
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.extract import ANSWER_FORMATS, extract_answer, render_answer
@@ -140,3 +141,6 @@ def build_gym(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> GymTask:
         raise ConfigError(f"{where}.options={dict(source.options)!r} is invalid for reasoning_gym "
                          f"{dataset!r}: {e}") from e
     return task
+
+
+ENVIRONMENT = EnvironmentSpec(task=build_gym)  # single turn: the answer graded by `score`

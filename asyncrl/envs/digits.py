@@ -20,6 +20,7 @@ import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from asyncrl.envs.spec import EnvironmentSpec
 from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash, stable_unit
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.validate import check, check_choice
@@ -127,3 +128,6 @@ def build_digits(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> Digit
     options = DigitsOptions(**opts)
     options.validate(f"{where}.options")
     return DigitsTask(options, eval_size=cfg.eval_size, label=str(label), use=source.split)
+
+
+ENVIRONMENT = EnvironmentSpec(task=build_digits)  # single turn: the answer graded by `score`

@@ -14,11 +14,12 @@ import os
 import random
 from collections.abc import Iterator, Mapping
 
+from asyncrl.envs.math_loader import SCHEMAS, MathFileLoader, MathRow, SkippedRow, problem_key, resolve_paths
+from asyncrl.envs.spec import EnvironmentSpec
 from asyncrl.tasks.base import Sample, Score, Task, check_split, stable_hash, stable_unit
 from asyncrl.tasks.config import TaskConfig, TaskSourceConfig
 from asyncrl.tasks.extract import ANSWER_FORMATS, AnswerLimits, render_answer
 from asyncrl.tasks.grading import grade, warmup_math
-from asyncrl.tasks.math_loader import SCHEMAS, MathFileLoader, MathRow, SkippedRow, problem_key, resolve_paths
 from asyncrl.tasks.prompts import PromptFormat
 from asyncrl.validate import ConfigError, check, check_choice
 
@@ -134,3 +135,6 @@ def build_math_file(source: TaskSourceConfig, cfg: TaskConfig, where: str) -> Ma
                             label=source.options.get("label"))
     except (OSError, ValueError) as e:  # a missing file, or one whose layout cannot be told
         raise ConfigError(f"{where}.path={source.path!r} is invalid: {e}") from e
+
+
+ENVIRONMENT = EnvironmentSpec(task=build_math_file)  # single turn: the answer graded by `score`
