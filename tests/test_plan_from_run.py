@@ -116,3 +116,21 @@ def test_plan_replays_a_real_local_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["case"] for r in rows][:2] == ["measured", "as run"] and len(rows) == 3
     assert all(r["step_s"] > 0 for r in rows)
+
+
+def test_a_run_config_from_before_environments_by_import_path_reads_back(tmp_path):
+    """Older run folders name a source's task in `name` and its episode in `environment` (`tools` for a tool
+    source); `plan --from-run` and `evaluate` still read them, as the one `environment` key plus `tools`."""
+    cfg = load_config("smollm2_tools")
+    old = to_yaml(cfg).replace("- environment: reasoning_gym\n", "- name: reasoning_gym\n    environment: tools\n")
+    old = old.replace("    tools: true\n", "", 1)
+    assert "name: reasoning_gym" in old and "tools: true" not in old
+    (tmp_path / "config.yaml").write_text(old)
+    assert load_run_config(str(tmp_path / "config.yaml")) == cfg
+
+
+def test_a_source_written_the_old_way_is_refused_with_the_new_key():
+    from asyncrl.validate import ConfigError
+
+    with pytest.raises(ConfigError, match=r"task\.sources\[0\]\.name.*`environment:`"):
+        load_config("default", ["task.sources=[{name: digits}]"])

@@ -150,6 +150,11 @@ def load_config(name: str = "default", overrides: Sequence[str] = (), config_dir
     except OmegaConfBaseException as e:
         key = _unalias(str(getattr(e, "full_key", "") or ""))
         msg = _unalias(getattr(e, "msg", str(e)).split("\n")[0])
+        if "'TaskSourceConfig'" in msg and key.split(".")[-1] == "name":  # OmegaConf loses a list item's path
+            key = next((f"task.sources[{i}].name" for layer in layers
+                        for i, src in enumerate((layer.get("task") or {}).get("sources") or [])
+                        if isinstance(src, dict) and "name" in src), key)
+            msg += "; a source names its environment (a built-in name or pkg.module:ATTR) with `environment:`"
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
     except ValueError as e:  # __post_init__ checks; already name their key
         raise ConfigError(_unalias(str(e))) from None
@@ -159,7 +164,7 @@ def load_config(name: str = "default", overrides: Sequence[str] = (), config_dir
 
 def load_run_config(path: str) -> Config:
     """A run's resolved `config.yaml` (what the driver writes into the run directory) back into a Config."""
-    data = _alias_tree(_read_yaml(path))
+    data = _migrate_sources(_alias_tree(_read_yaml(path)))
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
         cfg = OmegaConf.to_object(merged)
@@ -170,6 +175,19 @@ def load_run_config(path: str) -> Config:
         raise ConfigError(f"{path}: {_unalias(str(e))}") from None
     assert isinstance(cfg, Config)
     return cfg
+
+
+def _migrate_sources(data: dict[str, Any]) -> dict[str, Any]:
+    """Run folders written before environments were named by import path kept the task (`name`) and the episode
+    (`environment`: single_turn, tools, ...) apart; one key names both now, and `tools: true` marks a tool source.
+    Read so that `plan --from-run` and `evaluate` still take an older run."""
+    for src in (data.get("task") or {}).get("sources") or []:
+        if isinstance(src, dict) and "name" in src:
+            old_episode = src.get("environment")
+            src["environment"] = src.pop("name")
+            if old_episode == "tools":
+                src["tools"] = True
+    return data
 
 
 def to_yaml(cfg: Config) -> str:
