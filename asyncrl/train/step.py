@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from asyncrl.models import lora as lora_lib, params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
-from asyncrl.ops.logprobs import fused_logprobs_and_entropy, scale_for_temperature
+from asyncrl.ops.logprobs import LOGITS_PRECISIONS, fused_logprobs_and_entropy, scale_for_temperature
 from asyncrl.sharding.axes import DATA_AXES
 from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weights, prepare_loss_inputs
 from asyncrl.train.batch import RLBatch
@@ -76,7 +76,7 @@ def token_logprobs(model: Model, params: Params, tokens: jax.Array, seq_lens: ja
     h = scale_for_temperature(h, temperature)
     lp, ent = fused_logprobs_and_entropy(model.flatten_positions(h), model.lm_head_weight(params),
                                          model.flatten_positions(model.next_token_targets(tokens)),
-                                         chunk_size)  # [B*T]
+                                         chunk_size, LOGITS_PRECISIONS[model.logits_precision])  # [B*T]
     B = tokens.shape[0]
     return model.drop_last_position(lp, B), model.drop_last_position(ent, B)
 
