@@ -32,3 +32,27 @@ def test_one_bf16_pass_is_too_coarse_and_three_are_enough():
     assert np.abs(one_pass - ref).max() > 1e-2  # an importance ratio off by more than 1%
     assert np.abs(three_pass - ref).max() < 1e-4
     assert str(LM_HEAD_PRECISION) == "HIGH"
+
+
+def test_logits_precision_reaches_every_lm_head_matmul_and_is_validated():
+    """`model.logits_precision` (issue #39): the fused head's forward and backward matmuls all run at the chosen
+    precision (what the TPU compiler, and `launch.py aot`'s MXU-pass count, see); a bad value names the field."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    from asyncrl.models.config import ModelConfigError
+    from asyncrl.models.section import ModelSection
+    from asyncrl.ops.logprobs import LOGITS_PRECISIONS, fused_logprobs_and_entropy
+
+    h, W, t = jnp.ones((8, 4)), jnp.ones((4, 16)), jnp.zeros(8, jnp.int32)
+    for name, want in (("high", "HIGH"), ("default", "DEFAULT")):
+        grad = jax.grad(lambda h, W, p=LOGITS_PRECISIONS[name]: fused_logprobs_and_entropy(h, W, t, 4, p)[0].sum(),
+                        argnums=(0, 1))
+        text = str(jax.make_jaxpr(grad)(h, W))
+        precisions = [line.strip() for line in text.splitlines() if "precision=" in line]
+        assert len(precisions) == 4, text  # forward, recomputed logits, dh, dW
+        assert all(want in p for p in precisions), precisions
+    assert ModelSection().logits_precision == "high"
+    with pytest.raises(ModelConfigError, match=r"model\.logits_precision='fast'"):
+        ModelSection(logits_precision="fast")

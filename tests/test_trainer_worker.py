@@ -83,3 +83,30 @@ def test_a_failed_sync_is_raised_on_the_trainer():
     with pytest.raises(RuntimeError, match="hop 1 .* bucket 2/5"):
         tw.sync_weights()
 
+
+
+def test_measured_staleness_is_logged_by_lag_and_drives_adaptive_admission():
+    """The step's per-group weight sums (`Trainer.group_weights`, by global group id) -> the row's ESS by lag, and
+    the release lag the feeder reads: grown while the stalest groups keep their ESS, shrunk once they lose it."""
+    import numpy as np
+
+    from asyncrl.orchestration.staleness import Admission, Staleness
+    from tests.helpers import group
+
+    tw = TrainerWorker.__new__(TrainerWorker)
+    tw.cfg = SimpleNamespace(async_=SimpleNamespace(max_lag=2))
+    tw.staleness = Staleness(2, Admission(2, ess_target=0.9, ess_floor=0.5))
+    # Two groups of two rows (ids 0 and 1; 4 rows, so ids 2..3 are empty). Group 0: w = [1, 1] (ESS 1);
+    # group 1: w = [3, 1] over 2 tokens, ESS 16 / (2 x 10) = 0.8, k3 = (3 - 1 - log 3) / 2.
+    sums = np.array([[2.0, 2.0, 2.0, 0.0], [4.0, 10.0, 2.0, 2.0 - np.log(3.0)], [0, 0, 0, 0], [0, 0, 0, 0]])
+    tw.trainer = SimpleNamespace(group_weights=sums, group_offset=lambda rows: 0, combine_host_metrics=lambda m: m)
+    rollouts = [group(0, 5, [0, 1]), group(1, 4, [1, 0])]  # trained on version 5: lags 0 and 1
+    row = tw._measure_staleness(6, 5, rollouts)
+    assert row["staleness/ess_lag0"] == 1.0 and row["staleness/ess_lag1"] == 0.8
+    assert row["staleness/groups_lag1"] == 1.0 and row["staleness/groups_lag2"] == 0.0
+    assert row["staleness/ess_mean"] == 0.9 and row["staleness/ess_min"] == 0.8
+    assert abs(row["staleness/k3_mean"] - (2.0 - np.log(3.0)) / 4) < 1e-12
+    assert abs(row["staleness/batch_ess"] - 36 / (4 * 12)) < 1e-12
+    assert row["admission/ahead"] == 0.0  # the stalest (lag 1) measured 0.8 < 0.9: stays on-policy
+    sums[1] = [4.0, 8.0, 2.0, 0.0]  # lag 1 now ESS 1
+    assert tw._measure_staleness(7, 5, rollouts)["admission/ahead"] == 1.0

@@ -105,7 +105,7 @@ def build_programs(cfg: ProgramsConfig, devices: Sequence[Any], only: Sequence[s
     # A one-host slice cannot be split by host; it is cut into the config's simulated hosts, as a local run is.
     single = len({d.process_index for d in devices}) == 1
     roles = split_roles(devices, cfg.train_workers, hosts=cfg.hosts if single else None)
-    model = Model(model_config(cfg.model))
+    model = Model(model_config(cfg.model), logits_precision=cfg.model.logits_precision)
     n = matmul_params(model)
     programs: list[Program] = []
 

@@ -29,6 +29,11 @@ class ModelSection:
     its master copy: bfloat16 halves the load's host memory but rounds the weights once. The master params and
     optimizer state are always fp32, as in the blog; `train.compute_dtype` sets the trainer's matmul dtype and
     `inference.params_dtype` the inference hosts' weights."""
+    logits_precision: str = "high"
+    """Precision of the trainer's LM-head matmuls on TPU/GPU: 'high' (3 bf16 MXU passes, ~fp32) or 'default' (one
+    bf16 pass with fp32 accumulation: a third of the LM head's MXU work, and a cap on the train step's MFU ceiling
+    lifted; `launch.py aot` reports both). The CPU computes both in fp32. benchmarks/README.md has the measured
+    trainer/sampler logprob mismatch of each and why 'high' is the default."""
     arch: dict[str, Any] = field(default_factory=dict)
     """Field overrides applied to the preset's ModelConfig, e.g. {num_layers: 4}."""
 
@@ -41,5 +46,8 @@ class ModelSection:
                                    "model.source")
         if self.dtype not in ("float32", "bfloat16"):
             raise ModelConfigError(f"model.dtype={self.dtype!r} is invalid: must be one of ['float32', 'bfloat16']")
+        if self.logits_precision not in ("high", "default"):
+            raise ModelConfigError(f"model.logits_precision={self.logits_precision!r} is invalid: must be one of "
+                                   "['high', 'default']")
         if self.source is not None and self.source not in SOURCES:
             raise ModelConfigError(f"model.source={self.source!r} is invalid: must be one of {list(SOURCES)}")

@@ -72,6 +72,8 @@ class Model:
     """Attention over the call's own tokens (training; a prefill) through the Pallas kernel (models/flash.py)."""
     attention_impl: str = "auto"
     """Other attention over the call's own tokens: 'auto' picks per platform (models/attention_impl.py)."""
+    logits_precision: str = "high"
+    """The trainer's fused LM head matmuls (`model.logits_precision`, ops/logprobs.py LOGITS_PRECISIONS)."""
 
     # ---- caches ---------------------------------------------------------------------------------------------
 

@@ -44,6 +44,10 @@ from asyncrl.sharding.axes import TOKEN_AXES
 # both), at half the cost of HIGHEST's six passes. The forward and the backward's recomputation use the same
 # precision, so the recomputed softmax still sums to one against the saved log-normaliser.
 LM_HEAD_PRECISION = jax.lax.Precision.HIGH
+# `model.logits_precision`: 'default' is one bf16 pass with fp32 accumulation (a third of HIGH's MXU work on the
+# LM head, the trainer's largest matmul at Qwen vocabularies); see benchmarks/logits_precision.py for the mismatch
+# each causes against the sampler. The CPU computes every precision in full fp32.
+LOGITS_PRECISIONS = {"high": jax.lax.Precision.HIGH, "default": jax.lax.Precision.DEFAULT}
 
 
 def scale_for_temperature(h: jax.Array, temperature: float | jax.Array) -> jax.Array:
@@ -181,10 +185,10 @@ def _from_chunks(y: jax.Array, geo: _Geometry, layout: _DataLayout) -> jax.Array
 
 
 def _chunk_forward(
-    h_c: jax.Array, W: jax.Array, t_c: jax.Array, with_entropy: bool
+    h_c: jax.Array, W: jax.Array, t_c: jax.Array, with_entropy: bool, precision: jax.lax.Precision = LM_HEAD_PRECISION
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """One chunk: h_c [C, D] f32, W [D, V] f32, t_c [C] -> (logprob [C], logsumexp [C], entropy [C] | None)."""
-    logits = jnp.matmul(h_c, W, precision=LM_HEAD_PRECISION)  # [C, V]
+    logits = jnp.matmul(h_c, W, precision=precision)  # [C, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
     is_target = t_c[:, None] == jnp.arange(W.shape[1], dtype=t_c.dtype)[None, :]  # [C, V]
     target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)  # [C]
@@ -215,18 +219,18 @@ def _sum_onto(x: jax.Array, like: jax.Array, layout: _DataLayout) -> jax.Array:
     return jnp.einsum("n...->...", x, out_sharding=_cotangent_spec(like))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(h, W, targets, chunk_size, with_entropy):
-    return _fused_fwd(h, W, targets, chunk_size, with_entropy)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(h, W, targets, chunk_size, with_entropy, precision):
+    return _fused_fwd(h, W, targets, chunk_size, with_entropy, precision)[0]
 
 
-def _fused_fwd(h, W, targets, chunk_size, with_entropy):
+def _fused_fwd(h, W, targets, chunk_size, with_entropy, precision):
     with jax.named_scope("fused_logprobs_fwd"):
         layout, geo, h_c, t_c, W32 = _prepare(h, W, targets, chunk_size)
 
         def body(_, chunk):
             h_k, t_k = chunk
-            return None, _chunk_forward(h_k, W32, t_k, with_entropy)
+            return None, _chunk_forward(h_k, W32, t_k, with_entropy, precision)
 
         _, (lp_c, lse_c, ent_c) = jax.lax.scan(body, None, (h_c, t_c))  # each [num_chunks, C]
         logprobs = _from_chunks(lp_c, geo, layout)
@@ -236,7 +240,7 @@ def _fused_fwd(h, W, targets, chunk_size, with_entropy):
     return (logprobs, entropy), (h, W, targets, lse_c)
 
 
-def _fused_bwd(chunk_size, with_entropy, residuals, cotangents):
+def _fused_bwd(chunk_size, with_entropy, precision, residuals, cotangents):
     del with_entropy
     h, W, targets, lse_c = residuals
     dlogprobs, _ = cotangents  # entropy is a metric: its cotangent is dropped (stop-gradient semantics)
@@ -248,16 +252,16 @@ def _fused_bwd(chunk_size, with_entropy, residuals, cotangents):
 
         def body(dW_n, chunk):
             h_k, t_k, lse_k, dy_k = chunk
-            logits = jnp.matmul(h_k, W32, precision=LM_HEAD_PRECISION)  # [C, V]
+            logits = jnp.matmul(h_k, W32, precision=precision)  # [C, V]
             p = jnp.exp(logits - lse_k[:, None])  # [C, V]
             is_target = t_k[:, None] == jnp.arange(V, dtype=t_k.dtype)[None, :]
             dz = dy_k[:, None] * (is_target.astype(jnp.float32) - p)  # [C, V]
-            dh_k = jnp.matmul(dz, W32.T, precision=LM_HEAD_PRECISION)  # [C, D]
+            dh_k = jnp.matmul(dz, W32.T, precision=precision)  # [C, D]
             # dW is accumulated per data shard ([n, D, V], split over n) and summed once after the scan:
             # contracting over the split chunk dim here would all-reduce a full [D, V] every chunk.
             h_n = layout.reshape(h_k, (n, geo.local, D), P(data, None, None))
             dz_n = layout.reshape(dz, (n, geo.local, V), P(data, None, None))
-            dW_n = dW_n + jnp.einsum("nld,nlv->ndv", h_n, dz_n, precision=LM_HEAD_PRECISION)
+            dW_n = dW_n + jnp.einsum("nld,nlv->ndv", h_n, dz_n, precision=precision)
             return layout.constrain(dW_n, P(data, None, None)), dh_k
 
         dW_n0 = layout.constrain(jnp.zeros((n, D, V), jnp.float32), P(data, None, None))
@@ -274,22 +278,24 @@ def _fused_bwd(chunk_size, with_entropy, residuals, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def fused_linear_selection(h: jax.Array, W: jax.Array, targets: jax.Array, chunk_size: int = 1024) -> jax.Array:
+def fused_linear_selection(h: jax.Array, W: jax.Array, targets: jax.Array, chunk_size: int = 1024,
+                           precision: jax.lax.Precision = LM_HEAD_PRECISION) -> jax.Array:
     """`log_softmax(h @ W)[i, targets[i]]` for h [N, D], W [D, V], targets [N] int -> [N] float32.
 
     Differentiable in h and W (gradients come back in their dtypes and shardings). `chunk_size` is the number of
     tokens per scan step on each data shard. Extra memory per device is two or three [chunk_size, V] fp32
     buffers, plus fp32 copies of W and of its gradient when W is not fp32.
     """
-    return _fused(h, W, targets, chunk_size, False)[0]
+    return _fused(h, W, targets, chunk_size, False, precision)[0]
 
 
 def fused_logprobs_and_entropy(
-    h: jax.Array, W: jax.Array, targets: jax.Array, chunk_size: int = 1024
+    h: jax.Array, W: jax.Array, targets: jax.Array, chunk_size: int = 1024,
+    precision: jax.lax.Precision = LM_HEAD_PRECISION,
 ) -> tuple[jax.Array, jax.Array]:
     """Like `fused_linear_selection`, also returning the full-softmax entropy [N] from the same scan.
 
     The entropy is for metrics: it carries no gradient, as if wrapped in `stop_gradient`.
     """
-    logprobs, entropy = _fused(h, W, targets, chunk_size, True)
+    logprobs, entropy = _fused(h, W, targets, chunk_size, True, precision)
     return logprobs, entropy

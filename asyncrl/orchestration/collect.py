@@ -1,7 +1,8 @@
 """Collecting one step's groups from the rollout queue: the blog's `get_rollouts`, with staleness kept exact
 (the rule itself: `staleness.py`).
 
-A group is dropped when it is too stale (`Staleness.too_stale`, `rollout/filtered_lag`) or, with
+A group is dropped when it is too stale (`Staleness.drop_reason`: past max_lag, `rollout/filtered_lag`, or with
+adaptive admission from a lag whose measured ESS is under the floor, `rollout/filtered_ess`) or, with
 `drop_zero_variance`, when all its rewards are equal (`rollout/filtered_zero_variance`: DAPO's dynamic sampling,
 such a group has zero advantage everywhere).
 
@@ -110,7 +111,7 @@ def collect_rollouts(
 ) -> tuple[list[Rollout], HostMetrics]:
     """Block until `n_groups` groups pass the filters; returns them (oldest first when pooling) and the metrics.
 
-    `on_consumed(rollout, reason)` is told of every group as it is taken (reason None) or dropped ("lag",
+    `on_consumed(rollout, reason)` is told of every group as it is taken (reason None) or dropped ("lag", "ess",
     "zero_variance"), at once: the prompt feeder credits a drop before this call returns, so a host short of
     groups gets replacements. `check()` runs between polls of at most `poll_s` seconds and may raise (a dead
     feeder thread's error then surfaces here instead of a generic timeout). The timeout counts from the last
@@ -121,14 +122,12 @@ def collect_rollouts(
     zero-variance drops in one call, zero-variance groups are kept as fillers (`rollout/zero_variance_fillers`):
     the loss gives them no weight when it filters them (`loss.filter_zero_variance`), so the step trains on the
     groups with variance it has instead of sampling without end once most prompts are solved."""
-    filtered = {"lag": 0, "zero_variance": 0}
+    filtered = {"lag": 0, "ess": 0, "zero_variance": 0}
     held: list[Rollout] = []
 
     def admit(rollout: Rollout) -> None:
-        reason = None
-        if staleness.too_stale(version, rollout):
-            reason = "lag"
-        elif drop_zero_variance and is_zero_variance(rollout):
+        reason = staleness.drop_reason(version, rollout)
+        if reason is None and drop_zero_variance and is_zero_variance(rollout):
             if zero_variance_budget is None or filtered["zero_variance"] < zero_variance_budget:
                 reason = "zero_variance"  # else: a filler (kept; the loss weighs it 0)
         if reason is None:
@@ -211,6 +210,7 @@ def collect_rollouts(
         "rollout/lag_max": float(max(lags)),
         "rollout/lag_mean": float(np.mean(lags)),
         "rollout/filtered_lag": float(filtered["lag"]),
+        "rollout/filtered_ess": float(filtered["ess"]),
         "rollout/filtered_zero_variance": float(filtered["zero_variance"]),
         "rollout/reward_mean": float(np.mean(rewards)),
         "rollout/completion_len_mean": float(np.mean(lengths)),

@@ -14,6 +14,17 @@ class AsyncConfig:
     """Hosts (JAX processes) that train; the remaining hosts run inference. Must divide the host count."""
     max_lag: int = 1
     """Drop a group whose oldest sample was started more than this many weight versions ago."""
+    admission: str = "fixed"
+    """How far ahead the feeder releases prompts (`orchestration/staleness.py`). 'fixed': always max_lag versions
+    ahead. 'adaptive': from on-policy, one version more per step while the trainer measures the effective sample
+    size of the stalest groups' importance weights at or above `ess_target`, one less while below; max_lag stays
+    the hard cap."""
+    ess_target: float = 0.9
+    """With admission 'adaptive': the Kish ESS fraction (pi_prox / pi_sampler over a group's model tokens) the
+    stalest groups must keep for the release to reach further ahead."""
+    ess_floor: float = 0.0
+    """With admission 'adaptive': a group from a lag whose measured ESS is under this is dropped on arrival and
+    credited like a lag drop (`rollout/filtered_ess`). 0 turns the floor off."""
     queue_timeout_s: float = 300.0
     """Longest any blocking queue get/put waits before failing with a message naming who waited for what."""
     rollout_queue_size: int = 0
@@ -43,6 +54,10 @@ class AsyncConfig:
     def __post_init__(self) -> None:
         check("async.train_workers", self.train_workers, self.train_workers >= 1, ">= 1")
         check("async.max_lag", self.max_lag, self.max_lag >= 0, ">= 0")
+        check_choice("async.admission", self.admission, ("fixed", "adaptive"))
+        check("async.ess_target", self.ess_target, 0 < self.ess_target <= 1, "in (0, 1]")
+        check("async.ess_floor", self.ess_floor, 0 <= self.ess_floor < self.ess_target,
+              f"in [0, async.ess_target={self.ess_target})")
         check("async.queue_timeout_s", self.queue_timeout_s, self.queue_timeout_s > 0, "> 0")
         check("async.rollout_queue_size", self.rollout_queue_size, self.rollout_queue_size >= 0, ">= 0")
         check("async.park_timeout_s", self.park_timeout_s, self.park_timeout_s > 0, "> 0")

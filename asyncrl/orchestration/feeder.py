@@ -84,8 +84,8 @@ class Feeder:
         return int(np.ceil(n * f / (1 - f)))
 
     def consumed(self, position: int, reason: str | None) -> None:
-        """A trainer host took (reason None) or dropped ("lag", "zero_variance") a group: it leaves the in-flight
-        set, and a drop lets one more prompt out at once."""
+        """A trainer host took (reason None) or dropped ("lag", "ess", "zero_variance") a group: it leaves the
+        in-flight set, and a drop lets one more prompt out at once."""
         with self.lock:
             if position not in self.in_flight:
                 raise ValueError(f"feeder: group at data position {position} was never released or was already "
@@ -95,7 +95,7 @@ class Feeder:
             if reason is not None:
                 self.dropped += 1
                 self._opened.notify_all()
-            if reason != "lag":  # lag drops say nothing about the rewards (and oversampling causes some)
+            if reason not in ("lag", "ess"):  # staleness drops say nothing about the rewards
                 self.zero_variance_share += 0.05 * (float(reason == "zero_variance") - self.zero_variance_share)
 
     def drain_remote(self) -> None:

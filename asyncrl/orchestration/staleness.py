@@ -18,6 +18,15 @@ Urgent groups. Groups finish out of order, so a step that takes whatever arrives
 quick groups and leave its own stragglers to come back too stale. A prompt released at version r is at least
 `version - r` stale when it comes back; once that is max_lag, the step training on `version` is its last chance:
 it is urgent, and the collector waits for it (up to `StragglerWait.current_s`) before taking newer groups.
+
+Adaptive admission (`async.admission: adaptive`, `Admission`). The release gate above uses a lag `ahead` in
+[0, max_lag] instead of max_lag: the feeder then releases P * ahead prompts ahead of the on-policy ones. The
+trainer measures, per group, the Kish ESS of its importance weights pi_prox / pi_sampler (`train/ess.py`) and
+reports each step's ESS by lag (`Admission.observe`): while the stalest groups it trained keep their ESS at or
+above `async.ess_target`, `ahead` grows by one a step, up to max_lag (the hard cap, which the collector still
+enforces); once it falls below, `ahead` shrinks by one a step. A group whose lag measured an ESS below
+`async.ess_floor` (over the last `FLOOR_WINDOW` steps) is dropped on arrival, with reason "ess", and credited to
+the feeder like a lag drop: one more prompt goes out at once.
 """
 
 from __future__ import annotations
@@ -26,11 +35,66 @@ from dataclasses import dataclass, field
 
 from asyncrl.rollout import Rollout
 
+# How many steps a lag's measured ESS stays in force for the floor. Groups of a lag under the floor are dropped, so
+# that lag measures nothing new while they are; once its figure is this old, the lag is admitted again and measured.
+FLOOR_WINDOW = 10
+
+
+@dataclass
+class Admission:
+    """How far ahead the feeder releases, chosen from the ESS the trainer measures (`async.admission: adaptive`).
+
+    Every trainer host holds one and observes the same combined figures, so their collectors drop alike. The
+    trainer thread writes `ahead`; the feeder thread reads it on its next poll (an int: no lock needed)."""
+
+    max_lag: int
+    ess_target: float
+    ess_floor: float = 0.0
+    ahead: int = 0
+    """The lag the release gate uses now, in [0, max_lag]. It starts on-policy and grows as the ESS allows."""
+    floor_ess: dict[int, tuple[float, int]] = field(default_factory=dict)
+    """lag -> (its smoothed ESS, the step that last measured it): what the floor compares with."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ahead <= self.max_lag:
+            raise ValueError(f"Admission.ahead={self.ahead} must be in [0, async.max_lag={self.max_lag}]")
+
+    def observe(self, step: int, ess_by_lag: dict[int, float]) -> None:
+        """A trained step's mean ESS per lag (the lags it trained). The stalest lag decides: at or above the
+        target, one lag more may be released ahead; below, one less. Lower lags' ESS is no news (it is higher)."""
+        if not ess_by_lag:
+            return
+        for lag, ess in ess_by_lag.items():
+            old = self.floor_ess.get(lag)
+            fresh = old is not None and step - old[1] <= FLOOR_WINDOW
+            self.floor_ess[lag] = (0.5 * old[0] + 0.5 * ess if fresh else ess, step)
+        stalest = ess_by_lag[max(ess_by_lag)]
+        if stalest >= self.ess_target:
+            self.ahead = min(self.ahead + 1, self.max_lag)
+        else:
+            self.ahead = max(self.ahead - 1, 0)
+
+    def below_floor(self, lag: int, step: int) -> bool:
+        """Groups of `lag` measured (recently) an ESS under the floor."""
+        measured = self.floor_ess.get(lag)
+        return (self.ess_floor > 0 and measured is not None and step - measured[1] <= FLOOR_WINDOW
+                and measured[0] < self.ess_floor)
+
+    def state(self) -> dict[str, int]:
+        return {"ahead": self.ahead}
+
 
 @dataclass(frozen=True)
 class Staleness:
     max_lag: int
     """`async.max_lag`: the most weight versions a trained token may lag the trainer (0 = on-policy)."""
+    admission: Admission | None = None
+    """`async.admission: adaptive`: releases `admission.ahead` versions ahead, drops lags under the ESS floor.
+    None (fixed): releases max_lag ahead, drops only past max_lag."""
+
+    def __post_init__(self) -> None:
+        if self.admission is not None and self.admission.max_lag != self.max_lag:
+            raise ValueError(f"Admission.max_lag={self.admission.max_lag} differs from max_lag={self.max_lag}")
 
     def lag(self, version: int, rollout: Rollout) -> int:
         """How many versions the group's oldest token lags a trainer at `version`."""
@@ -40,13 +104,31 @@ class Staleness:
         """The collector drops such a group ("lag")."""
         return self.lag(version, rollout) > self.max_lag
 
+    def drop_reason(self, version: int, rollout: Rollout) -> str | None:
+        """Why the collector drops this group, or None to admit it: "lag" past max_lag; with adaptive admission,
+        "ess" when its lag measured an ESS under the floor. Dropped rather than down-weighted: its own weights are
+        known only in the step that trains it, and down-weighting by them is what the rollout correction
+        (loss.is_mode / loss.tis_cap) already does per token; a group from a lag this far off-policy carries little
+        signal for a full group's compute, and dropping it buys a fresh, less stale replacement at once.
+        Trainer version `version` trains as step version + 1."""
+        if self.too_stale(version, rollout):
+            return "lag"
+        if self.admission is not None and self.admission.below_floor(self.lag(version, rollout), version + 1):
+            return "ess"
+        return None
+
+    @property
+    def ahead(self) -> int:
+        """The lag the release gate uses: max_lag (fixed), or what adaptive admission allows now."""
+        return self.max_lag if self.admission is None else self.admission.ahead
+
     def last_chance(self, version: int, rollout: Rollout) -> bool:
         """Trainable now, too stale for the next step."""
         return self.lag(version, rollout) == self.max_lag
 
     def release_limit(self, prompts_per_step: int, synced_version: int, dropped: int, extra: int = 0) -> int:
         """Data positions below this may be released while inference holds `synced_version`."""
-        return prompts_per_step * (synced_version + self.max_lag + 1) + dropped + extra
+        return prompts_per_step * (synced_version + self.ahead + 1) + dropped + extra
 
     def urgent(self, released_at: dict[int, int], version: int) -> set[int]:
         """Of the in-flight positions (-> the synced version when each was released), those a step training on

@@ -35,7 +35,7 @@ def build_trainer(cfg: TrainerRoleConfig, run_dir: str) -> tuple[Any, TrainerChe
     from asyncrl.train.trainer import Trainer
 
     roles = split_roles(jax.devices(), cfg.async_.train_workers)
-    model = Model(model_config(cfg.model))
+    model = Model(model_config(cfg.model), logits_precision=cfg.model.logits_precision)
     trainer = Trainer(model, cfg.train, cfg.loss, cfg.sharding, devices=roles.trainer_devices,
                       temperature=cfg.temperature)
     key = jax.random.PRNGKey(cfg.seed)

@@ -33,8 +33,9 @@ from asyncrl.orchestration.messages import GroupConsumed, WeightSync
 from asyncrl.orchestration.metrics import RayGauges, inference_means
 from asyncrl.orchestration.role_config import TrainerRoleConfig
 from asyncrl.orchestration.rollout_log import drop_record, log_rollouts, rollouts_path
-from asyncrl.orchestration.staleness import Staleness, StragglerWait
+from asyncrl.orchestration.staleness import Admission, Staleness, StragglerWait
 from asyncrl.orchestration.trainer_setup import build_trainer
+from asyncrl.train.ess import COUNT, W_SQ_SUM, W_SUM, group_staleness, kish_ess, lag_means, lag_sums
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ class TrainerWorker:
         self.tw = cfg.async_.train_workers
         self.inference_hosts = jax.process_count() - self.tw
         self.P = cfg.prompts_per_step
-        self.staleness = Staleness(cfg.async_.max_lag)
         a = cfg.async_
+        admission = Admission(a.max_lag, a.ess_target, a.ess_floor) if a.admission == "adaptive" else None
+        self.staleness = Staleness(a.max_lag, admission)
         self.straggler = StragglerWait(a.straggler_wait_s, a.straggler_wait_max_s, a.straggler_wait_adaptive)
         # Tool metrics have a fixed key set on every host of a run whose tasks use tools (combined by position).
         self.tool_metrics = any(src.tools for src in cfg.task.sources)
@@ -125,6 +127,8 @@ class TrainerWorker:
                              drain_remote=remote, timeout_s=t, who=f"trainer{self.rank}")
         if self._resume_meta:
             self.feeder.restore(self._resume_meta)
+            if self.staleness.admission is not None and "admission_ahead" in self._resume_meta:
+                self.staleness.admission.ahead = min(int(self._resume_meta["admission_ahead"]), cfg.async_.max_lag)
         self.evals = Evals(lambda: task.samples("eval", cfg.task.seed), cfg.eval.num_prompts, cfg.eval.group_size,
                            self.run_dir, put=lambda item, to: self.q["eval_prompt"].put(item, to),
                            poll=self.q["eval_rollout"].poll, qsize=self.q["eval_rollout"].qsize, timeout_s=t,
@@ -188,7 +192,9 @@ class TrainerWorker:
                 if every and step % every == 0:
                     log_rollouts(rollouts_path(self.run_dir, self.rank), step, tr.version, rollouts, drops,
                                  tokens=cfg.logging.rollout_tokens)
+                version = tr.version
                 metrics = tr.step(batch, host_m)
+                metrics |= self._measure_staleness(step, version, rollouts)
                 sync_m = self.sync_weights()
                 n_tokens = float(np.asarray(batch.seq_lens).sum()) * self.tw
                 step_s = max(metrics.get("train/step_time_s", 1e-9), 1e-9)
@@ -240,4 +246,20 @@ class TrainerWorker:
         if self.feeder is None:
             return {}
         self.feeder.drain_remote()  # every host's consumption up to this step is queued by now (the step is collective)
-        return self.feeder.state()
+        ahead = {} if self.staleness.admission is None else {"admission_ahead": self.staleness.admission.ahead}
+        return {**self.feeder.state(), **ahead}
+
+    def _measure_staleness(self, step: int, version: int, rollouts: list) -> dict[str, float]:
+        """The trained groups' ESS and k3 from the step's proximal pass, by lag (`train/ess.py`), combined over the
+        trainer hosts (a collective: every host calls it); adaptive admission follows them (`staleness.py`)."""
+        tr, max_lag = self.trainer, self.cfg.async_.max_lag
+        offset = tr.group_offset(sum(len(r.completions) for r in rollouts))
+        ess, k3 = group_staleness(tr.group_weights[offset:offset + len(rollouts)])
+        sums = lag_sums(ess, k3, [self.staleness.lag(version, r) for r in rollouts], max_lag)
+        row, by_lag = lag_means(tr.combine_host_metrics(sums), max_lag)
+        total = tr.group_weights.astype(np.float64).sum(0)
+        row["staleness/batch_ess"] = float(kish_ess(total[W_SUM], total[W_SQ_SUM], total[COUNT]))
+        if self.staleness.admission is not None:
+            self.staleness.admission.observe(step, by_lag)
+        row["admission/ahead"] = float(self.staleness.ahead)
+        return row

@@ -158,6 +158,11 @@ class TrainConfig:
     """Adam learning rate of the warm-start (3e-3 suits a random-init tiny model; ~1e-5 a pretrained one)."""
     format_warmstart_batch: int = 64
     """Sequences per warm-start step."""
+    ess_scaled_lr: bool = False
+    """Scale each optimizer update (the learning rate, weight decay included) by the Kish effective sample size,
+    as a fraction, of its batch's importance weights pi_prox / pi_sampler (VCPO, arXiv 2602.17616): stale batches,
+    whose weights a few tokens dominate, take smaller steps. `train/ess_lr_scale` logs the factor. False: the
+    update is untouched."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA: train low-rank adapters on a frozen base (rank 0, the default, is the full fine-tune)."""
 

@@ -34,11 +34,12 @@ from jax.sharding import PartitionSpec as P
 from asyncrl.models import lora as lora_lib, params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
-from asyncrl.ops.logprobs import fused_logprobs_and_entropy, scale_for_temperature
+from asyncrl.ops.logprobs import LOGITS_PRECISIONS, fused_logprobs_and_entropy, scale_for_temperature
 from asyncrl.sharding.axes import DATA_AXES
 from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weights, prepare_loss_inputs
 from asyncrl.train.batch import RLBatch
 from asyncrl.train.config import LoraConfig
+from asyncrl.train.ess import batch_ess, group_weight_sums
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import Metrics, finalize_metrics, metric_reduction
 from asyncrl.train.mesh import TrainShardings
@@ -75,7 +76,7 @@ def token_logprobs(model: Model, params: Params, tokens: jax.Array, seq_lens: ja
     h = scale_for_temperature(h, temperature)
     lp, ent = fused_logprobs_and_entropy(model.flatten_positions(h), model.lm_head_weight(params),
                                          model.flatten_positions(model.next_token_targets(tokens)),
-                                         chunk_size)  # [B*T]
+                                         chunk_size, LOGITS_PRECISIONS[model.logits_precision])  # [B*T]
     B = tokens.shape[0]
     return model.drop_last_position(lp, B), model.drop_last_position(ent, B)
 
@@ -118,11 +119,13 @@ def with_loss_inputs(batch: RLBatch, loss_cfg: LossConfig) -> LossBatch:
 
 
 def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_size: int,
-                 compute_dtype: Any = None) -> Callable[..., tuple[jax.Array, Metrics]]:
+                 compute_dtype: Any = None, n_groups: int | None = None) -> Callable[..., tuple[jax.Array, Metrics]]:
     """The micro-batch loss `(params, mb, frozen={}) -> (loss, metrics)`. `frozen` holds detached [b, T-1]
     logprobs of the same rows: "prox" (the proximal policy) and "ref" (the KL reference), when the step has them.
     With `compute_dtype`, the (fp32 master) params are cast first: on their FSDP shards, so each layer's
-    all-gather and matmuls run in that dtype, and the gradient comes back through the cast in the master dtype."""
+    all-gather and matmuls run in that dtype, and the gradient comes back through the cast in the master dtype.
+    With `n_groups` (the batch's group ids are below it), the metrics also hold "group_weights" [n_groups, 4], the
+    importance-weight sums of each group (`train/ess.py`), summed like any other metric."""
     loss_fn = get_loss(loss_cfg.name)
 
     def micro_loss(params: Params, mb: LossBatch, frozen: dict[str, jax.Array] | None = None
@@ -142,6 +145,11 @@ def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_s
         metrics = dict(metrics)
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, ent, 0.0))
         metrics["tokens"] = jnp.sum(mb.seq_lens).astype(jnp.float32)
+        if n_groups is not None:
+            # The proximal policy; with one update per step it is the params the loss runs (lp, detached).
+            lp_prox = frozen.get("prox", lp)
+            metrics["group_weights"] = group_weight_sums(lp_prox, from_second(mb.sampler_logprobs), mask,
+                                                         mb.group_ids, n_groups)
         return loss, metrics
 
     return micro_loss
@@ -170,9 +178,12 @@ def frozen_logprobs(model: Model, params: Params, batch: RLBatch, updates: int, 
 
 def _accumulate_and_update(grad_fn: Callable, tx: optax.GradientTransformation, grad_accum_steps: int,
                            params: Params, opt_state: Any, mini: LossBatch, frozen: dict[str, jax.Array],
-                           opt_state_compute: Any = None) -> tuple[Params, Any, Metrics, Params, Params]:
+                           opt_state_compute: Any = None, ess_scaled: bool = False
+                           ) -> tuple[Params, Any, Metrics, Params, Params]:
     """One optimizer update on one mini-batch: grads summed over its micro-batches, then clipping + AdamW.
-    Returns (params, opt_state, reduced metrics, grads, updates)."""
+    With `ess_scaled` (train.ess_scaled_lr), the update is multiplied by the Kish ESS of the mini-batch's importance
+    weights: the learning rate times ESS, weight decay included, as VCPO scales its step. Returns (params,
+    opt_state, reduced metrics, grads, updates)."""
     micro = jax.tree.map(lambda x: split_micro_batches(x, grad_accum_steps), mini)
 
     def body(acc: Params, xs: tuple[LossBatch, dict[str, jax.Array]]) -> tuple[Params, Metrics]:
@@ -187,13 +198,18 @@ def _accumulate_and_update(grad_fn: Callable, tx: optax.GradientTransformation, 
         if opt_state_compute is not None:
             opt_state = jax.device_put(opt_state, opt_state_compute)
         updates, opt_state = tx.update(grads, opt_state, params)
+        if ess_scaled:
+            # The ESS comes from this mini-batch's proximal pass (its summed group weights): known before the update.
+            scale = batch_ess(metrics["group_weights"])
+            updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
+            metrics = metrics | {"ess_lr_scale": scale}
         params = optax.apply_updates(params, updates)
     return params, opt_state, metrics, grads, updates
 
 
 # Values that are already means over an update's tokens (or norms of one update): over several updates they
 # are averaged, where token sums and counts add up.
-PER_UPDATE = ("loss", "pg_loss", "kl_loss", "grad_norm", "update_norm")
+PER_UPDATE = ("loss", "pg_loss", "kl_loss", "grad_norm", "update_norm", "ess_lr_scale")
 
 
 def _combine_updates(stacked: Metrics) -> Metrics:
@@ -205,13 +221,15 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
                grad_accum_steps: int, temperature: float, chunk_size: int, params: Params, opt_state: Any,
                batch: RLBatch, step: jax.Array, opt_state_compute: Any = None, compute_dtype: Any = None,
                updates_per_step: int = 1, ref_params: Params | None = None, ref_compute: Any = None,
-               base: Params | None = None, lora: LoraConfig | None = None) -> tuple[Params, Any, Metrics]:
+               base: Params | None = None, lora: LoraConfig | None = None, ess_scaled: bool = False
+               ) -> tuple[Params, Any, Metrics]:
     """The unjitted step (see `make_train_step`). `opt_state_compute` moves an offloaded state into device memory,
     `ref_compute` an offloaded reference. With LoRA (`base` given), `params` are the adapters: the loss runs the
     base with them attached (`lora.attach`), gradients and updates are the adapters' only (B's alone with
     `lora.freeze_a`), and the KL reference is the base itself (adapters off)."""
     k = updates_per_step
-    micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size, compute_dtype)
+    # Group ids are below the row count (each host's ids are offset by its rows, `Trainer._agree_across_hosts`).
+    micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size, compute_dtype, batch.tokens.shape[0])
     full = lambda p: p  # noqa: E731
     if base is not None:
         trained = lora_lib.with_frozen_a if lora.freeze_a else (lambda p: p)
@@ -242,7 +260,7 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
         # are normalised over the whole batch, which is the one mini-batch.
         params, opt_state, metrics, grads, updates = _accumulate_and_update(
             grad_fn, tx, grad_accum_steps, params, opt_state, batch, {n: v[0] for n, v in frozen.items()},
-            opt_state_compute)
+            opt_state_compute, ess_scaled)
         metrics = finalize_metrics(metrics)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["update_norm"] = optax.global_norm(updates)
@@ -258,7 +276,8 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
         def update(carry: tuple[Params, Any], xs: tuple[LossBatch, jax.Array, dict[str, jax.Array]]):
             mini, keep_j, frozen_j = xs
             mini = dataclasses.replace(mini, weights=loss_weights(mini.loss_mask, loss_cfg, keep_j))
-            p, o, m, grads, updates = _accumulate_and_update(grad_fn, tx, grad_accum_steps, *carry, mini, frozen_j)
+            p, o, m, grads, updates = _accumulate_and_update(grad_fn, tx, grad_accum_steps, *carry, mini, frozen_j,
+                                                             ess_scaled=ess_scaled)
             return (p, o), m | {"grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates)}
 
         with jax.named_scope("updates"):
@@ -281,12 +300,12 @@ def _sample_counts(batch: RLBatch, loss_cfg: LossConfig) -> Metrics:
 def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
                     shardings: TrainShardings, grad_accum_steps: int, temperature: float, chunk_size: int,
                     compute_dtype: Any = None, updates_per_step: int = 1, ref_compute: Any = None,
-                    lora: LoraConfig | None = None) -> StepFn:
+                    lora: LoraConfig | None = None, ess_scaled: bool = False) -> StepFn:
     """`step_fn(params, opt_state, global_batch, step, ref_params=None, base=None) -> (params, opt_state,
     metrics)`, jitted, params and optimizer state donated. `ref_params` (the KL reference) is needed when
     loss.kl_coef > 0; it may live in pinned host memory, in which case `ref_compute` gives its device-memory
     shardings. With LoRA, `params` are the adapters, `base` the frozen model weights (not donated; also the KL
-    reference) and `lora` the train.lora config.
+    reference) and `lora` the train.lora config. `ess_scaled`: train.ess_scaled_lr.
 
     Must be called under `jax.set_mesh(shardings.mesh)`. `step` (int32 scalar) is the optimizer update about to
     be taken (the step's first, with several updates per step); it only feeds the `lr` metric (the optimizer
@@ -296,6 +315,6 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: Lo
     compute = shardings.opt_state_compute if shardings.offloaded else None
     fn = lambda params, opt_state, batch, step, ref_params=None, base=None: train_step(  # noqa: E731
         model, tx, loss_cfg, schedule, grad_accum_steps, temperature, chunk_size, params, opt_state, batch, step,
-        compute, compute_dtype, updates_per_step, ref_params, ref_compute, base, lora)
+        compute, compute_dtype, updates_per_step, ref_params, ref_compute, base, lora, ess_scaled)
     return jax.jit(fn, donate_argnums=(0, 1),
                    out_shardings=(shardings.params, shardings.opt_state, shardings.replicated))

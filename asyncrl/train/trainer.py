@@ -128,7 +128,7 @@ class Trainer:
                             "device memory", self.mesh.devices.flat[0].platform)
         self._step_fn = make_train_step(self.model, self.tx, loss_cfg, self.schedule, self.shardings,
                                         train_cfg.grad_accum_steps, temperature, train_cfg.logprob_chunk_size,
-                                        compute, k, ref_compute, self.lora)
+                                        compute, k, ref_compute, self.lora, train_cfg.ess_scaled_lr)
         self.params: Params | None = None
         self.base: Params | None = None  # LoRA's frozen weights
         self.ref_params: Params | None = None
@@ -137,6 +137,8 @@ class Trainer:
         self.step_count = 0
         self.version = 0
         self.rng: jax.Array | None = None
+        # The last step's importance-weight sums per group, [train_batch_size, 4] by global group id (train/ess.py).
+        self.group_weights: np.ndarray | None = None
 
     # ---- state ----------------------------------------------------------------------------------------------
 
@@ -341,6 +343,7 @@ class Trainer:
         # Replicated scalars: this host's copy is the global value (a multi-host array is not fully addressable).
         # One device-to-host transfer for all of them.
         host = jax.device_get({k: v.addressable_data(0) for k, v in metrics.items()})
+        self.group_weights = np.asarray(host.pop("group_weights"))
         out = {f"train/{k}": float(v) for k, v in host.items()}
         self.step_count += 1
         self.version += 1
@@ -358,6 +361,15 @@ class Trainer:
         batch = dataclasses.replace(batch, group_ids=np.asarray(batch.group_ids) + offset)
         lengths = host_allgather(np.asarray([batch.tokens.shape[1]]), self.mesh)
         return pad_batch(batch, int(lengths.max()))
+
+    def group_offset(self, local_rows: int) -> int:
+        """The global id of this host's first group: `_agree_across_hosts` offsets each host's ids by its rows."""
+        return self.hosts.index(jax.process_index()) * local_rows if len(self.hosts) > 1 else 0
+
+    def combine_host_metrics(self, metrics: HostMetrics) -> HostMetrics:
+        """Every trainer host's `metrics` (same keys) combined by suffix (`batch.combine_host_metrics`); every host
+        calls it together."""
+        return self._combine_host_metrics(metrics)
 
     def _combine_host_metrics(self, metrics: HostMetrics) -> HostMetrics:
         if len(self.hosts) == 1:
