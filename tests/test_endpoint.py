@@ -16,8 +16,10 @@ import pytest
 
 from asyncrl.endpoint.chat import ChatFormat
 from asyncrl.endpoint.config import EndpointConfig
+from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.validate import ConfigError
 from tests.endpoint_fixtures import CALL, CFG, TOOLS, qwen3_tokenizer, serve, shutdown, tool_call_model
+from tests.helpers import build_llama31_tokenizer
 
 USER = [{"role": "user", "content": "Add one to 1, with the tool."}]
 
@@ -93,6 +95,7 @@ def test_a_plain_chat_answers_in_content_and_tool_results_render(setup):
 
 def test_completions_and_models(setup):
     tok, _, _, server, client = setup
+    answered = server.metrics.requests
     assert [m.id for m in client.models.list()] == ["asyncrl"]
     prompt = tok.decode(ChatFormat(tok).prompt_ids(USER, []), skip_special_tokens=False)
     r = client.completions.create(model="asyncrl", prompt=prompt, logprobs=0)
@@ -100,6 +103,7 @@ def test_completions_and_models(setup):
     assert r.choices[0].logprobs.tokens[0] == "<tool_call>" and r.choices[0].finish_reason == "stop"
     chunks = list(client.completions.create(model="asyncrl", prompt=prompt, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert server.metrics.requests == answered + 3 and server.metrics.latency_s > 0  # the dashboard's figures
 
 
 @pytest.mark.parametrize("kwargs, status, field", [
@@ -171,3 +175,22 @@ def test_the_bearer_token_is_checked(setup):
         assert [m.id for m in good.models.list()] == ["asyncrl"]
     finally:
         shutdown(server)
+
+
+def test_llama31_and_qwen3_turns_parse_into_tool_calls(setup, tmp_path):
+    """The repo's formats (`tools/calls.py`) behind `tool_calls`: Llama 3.1's `<|python_tag|>` JSON and whole-turn
+    JSON calls, and a Qwen3 call that does not parse stays in the content for the agent to read."""
+    llama = Tokenizer.from_folder(build_llama31_tokenizer(str(tmp_path / "llama31")))
+    chat = ChatFormat(llama)
+    assert chat.format.name == "llama3.1"
+    for text in ('<|python_tag|>{"name": "add", "parameters": {"x": 1}}<|eom_id|>',
+                 '{"name": "add", "parameters": {"x": 1}}<|eot_id|>'):
+        r = chat.reply(llama.encode(text), TOOLS, hit_length=False)
+        assert r.finish_reason == "tool_calls" and r.content is None
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in r.tool_calls] == \
+            [("add", {"x": 1})]
+    plain = chat.reply(llama.encode("It is 2.<|eot_id|>"), TOOLS, hit_length=False)
+    assert plain.content == "It is 2." and plain.tool_calls == [] and plain.finish_reason == "stop"
+    qwen = ChatFormat(setup[0])
+    bad = qwen.reply(setup[0].encode('<tool_call>{"name": "add"}</tool_call><|im_end|>'), TOOLS, hit_length=False)
+    assert bad.tool_calls == [] and bad.content == '<tool_call>{"name": "add"}</tool_call>'

@@ -27,6 +27,9 @@ class EndpointConfig:
     """Largest `n` (choices per request): a group of n samples takes n decode rows."""
     request_timeout_s: float = 600.0
     """How long a request may wait for its completion before it is answered 504."""
+    session_idle_s: float = 300.0
+    """How long a session's episode waits for the agent's next call (holding an environment thread and, while the
+    park store has room, its cache) before it ends with reason 'session_idle'."""
     strict_sampling: bool = True
     """The decode program samples at the run's temperature, with its per-turn cap and stop sequences: the trainer's
     logprobs assume exactly that. True: a request asking for other `temperature`, `top_p`, a smaller `max_tokens`
@@ -41,4 +44,5 @@ class EndpointConfig:
         check("endpoint.model", self.model, bool(self.model), "a non-empty name")
         check("endpoint.max_queued", self.max_queued, self.max_queued >= 1, ">= 1")
         check("endpoint.max_n", self.max_n, self.max_n >= 1, ">= 1")
+        check("endpoint.session_idle_s", self.session_idle_s, self.session_idle_s > 0, "> 0")
         check("endpoint.request_timeout_s", self.request_timeout_s, self.request_timeout_s > 0, "> 0")

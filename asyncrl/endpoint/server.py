@@ -9,6 +9,7 @@ the engine's samples: nothing is decoded by a second loop."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -18,11 +19,13 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.endpoint.chat import ChatFormat
+from asyncrl.endpoint.chat import ChatFormat, Reply
 from asyncrl.endpoint.config import EndpointConfig
 from asyncrl.endpoint.loop import EngineLoop, Overloaded
+from asyncrl.endpoint.metrics import ServerMetrics
 from asyncrl.endpoint.protocol import ApiError, ChatRequest, Limits, parse_chat, parse_completion
 from asyncrl.endpoint.responses import Bodies, TurnOut, sse
+from asyncrl.endpoint.sessions import SessionStore
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.rollout import Prompt, Rollout
 
@@ -46,14 +49,14 @@ class EndpointServer:
         self.engine = loop.engine
         self.tokenizer = self.engine.tokenizer
         self.limits = engine_limits(self.engine, chat)
-        self.sessions: Any = None  # a `sessions.SessionStore` routes calls that name a session
+        # Calls that name a session go to its episode (`sessions.py`); without a store they are served alone.
+        self.sessions = SessionStore(cfg.session_idle_s)
         self.url = ""
         self._seeds = itertools.count()
         self._aio: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
-        self.requests = 0  # answered, any status: for the request-rate metric
-        self.latency_s = 0.0
+        self.metrics = ServerMetrics(self.engine.name)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
@@ -107,18 +110,26 @@ class EndpointServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         t0 = time.perf_counter()
+        status = 500
         try:
-            if self.cfg.api_key and request.headers.get("Authorization", "") != f"Bearer {self.cfg.api_key}":
+            given = request.headers.get("Authorization", "").encode()
+            if self.cfg.api_key and not hmac.compare_digest(given, f"Bearer {self.cfg.api_key}".encode()):
                 raise ApiError(401, "a valid bearer token is required (Authorization: Bearer <endpoint.api_key>)",
                                None, "authentication_error")
-            return await handler(request)
+            resp = await handler(request)
+            status = resp.status
+            return resp
         except ApiError as e:
+            status = e.status
             return web.json_response(e.body(), status=e.status)
         except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method
+            status = e.status
             return web.json_response(ApiError(e.status, e.reason).body(), status=e.status)
+        except Exception as e:  # noqa: BLE001 - a bug answers one request with its reason; the server goes on
+            log.exception("the endpoint failed on %s", request.path)
+            return web.json_response(ApiError(500, f"internal error: {e!r}", None, "server_error").body(), status=500)
         finally:
-            self.requests += 1
-            self.latency_s += time.perf_counter() - t0
+            self.metrics.observe(status, time.perf_counter() - t0)
 
     @staticmethod
     async def _json(request: web.Request) -> Any:
@@ -140,10 +151,13 @@ class EndpointServer:
             raise ApiError(400, f"{param}: the prompt is {len(ids)} tokens; the context (inference.max_seq_len="
                                 f"{S}) leaves no room for a reply", param, "context_length_exceeded")
 
-    async def run(self, prompt_ids: list[int], n: int, seed: int | None, envs: Any = None) -> Rollout:
+    def next_position(self) -> int:
+        return _POSITION_BASE + next(self._seeds)
+
+    async def run(self, prompt_ids: list[int], n: int, seed: int | None) -> Rollout:
         """Sample `n` completions of `prompt_ids` on the engine's decode thread; raises ApiError 429 / 504 / 500."""
-        position = seed if seed is not None else _POSITION_BASE + next(self._seeds)
-        req = Request(Prompt(position, None, n), prompt_ids, envs)
+        position = seed if seed is not None else self.next_position()
+        req = Request(Prompt(position, None, n), prompt_ids)
         try:
             fut = self.loop.submit(req)
         except Overloaded as e:
@@ -163,7 +177,8 @@ class EndpointServer:
         if self.chat is None:
             raise ApiError(400, "messages: this tokenizer has no chat template; use /v1/completions", "messages")
         req = parse_chat(body, self.cfg, self.limits)
-        if req.session is not None and self.sessions is not None:
+        req.session = req.session or request.headers.get("X-Session-Id")  # a header: no body field to add
+        if req.session is not None:
             return await self.sessions.chat(self, request, req)
         ids = self.chat.prompt_ids(req.messages, req.tools)
         self.check_context(ids, "messages")
@@ -172,9 +187,12 @@ class EndpointServer:
         return await self.answer_chat(request, req, ids, turns)
 
     async def answer_chat(self, request: web.Request, req: ChatRequest, prompt_ids: list[int],
-                          turns: list[TurnOut], extra: dict[str, Any] | None = None) -> web.StreamResponse:
+                          turns: list[TurnOut], extra: dict[str, Any] | None = None,
+                          replies: list[Reply] | None = None) -> web.StreamResponse:
         tools = req.tools if req.tool_choice != "none" else []
-        choices = [(self.chat.reply(t.tokens, tools, t.hit_length), t) for t in turns]  # type: ignore[union-attr]
+        if replies is None:
+            replies = [self.chat.reply(t.tokens, tools, t.hit_length) for t in turns]  # type: ignore[union-attr]
+        choices = list(zip(replies, turns))
         bodies = Bodies(self.cfg.model, self.tokenizer, "chat")
         s = req.sampling
         if not s.stream:
