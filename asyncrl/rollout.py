@@ -181,6 +181,11 @@ class Turn:
     index: int
     finish: str
     last: bool
+    # The sampler's records of the turn's tokens, for an environment that hands the turn on (the endpoint's
+    # sessions answer an agent's call with them); None where a caller builds a turn by hand.
+    logprobs: np.ndarray | None = None
+    forced: np.ndarray | None = None
+    versions: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ DIRECT = {
     "train": {"models", "ops", "sharding", "validate", "rollout"},  # batch -> step math: no inference, no queues
     "orchestration": {"inference", "train", "tasks", "envs", "weightsync", "models", "sharding", "validate",
                       "rollout"},
+    # the OpenAI-compatible server over an engine, its sessions and agents
+    "endpoint": {"inference", "envs", "tools", "models", "rollout", "validate"},
     "aot": {"inference", "train", "models", "sharding"},
     "config": {"inference", "orchestration", "tasks", "tools", "train", "weightsync", "validate"},  # the run's config
     "plan": {"config", "aot"},  # the pipeline model: a run's config, and at target scale the compiled programs' costs

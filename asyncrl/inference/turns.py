@@ -74,7 +74,8 @@ class EpisodeDriver:
             self._maybe_emit(target.group)
         else:
             last = ep.turn >= self.cfg.max_turns or n >= self.S - 1
-            turn = Turn(toks, text, ep.turn - 1, finish, last)
+            part = ep.parts[-1]
+            turn = Turn(toks, text, ep.turn - 1, finish, last, part.logprobs, part.forced, part.versions)
             self.stepping.append(Stepping(self._step(ep, turn), target, park, last))
         self.stats.detokenize_time += time.perf_counter() - t0
         self.poll()

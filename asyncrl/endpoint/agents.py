@@ -1,0 +1,156 @@
+"""Agents as environments: `agent.fn: my_pkg.agent:run` names a function `(base_url, api_key, sample) -> reward`
+that talks to the endpoint with any OpenAI client, as many calls as it likes, concurrently, with tools.
+
+Each sample of a group is one session (`sessions.py`): the agent's calls carry its `session_id` (given to the
+function in its sample view, `AgentSample`, and as the default body field of a client made by
+`AgentSample.client()`). The function runs on a bounded pool of threads, never the decode thread. Its return ends the
+session with that reward; an agent that raises, runs past `agent.timeout_s`, or never calls the endpoint ends its
+episode with a reason ("agent_error", "agent_timeout", "agent_no_call") and the group goes on without it failing the
+run. A timed-out agent's thread cannot be killed: its session is closed, so its later calls are refused (409), and it
+holds its pool thread until it returns."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncrl.rollout import Completion, Prompt, Rollout
+from asyncrl.validate import ConfigError, check, check_choice
+
+log = logging.getLogger(__name__)
+
+
+def resolve(path: str, field: str = "agent.fn") -> Callable[..., Any]:
+    """`module:attr` -> the object. One function, so that the plug-in loader every host shares can replace it."""
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"{field}={path!r} is invalid: must be 'module.path:function'")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{field}={path!r} cannot be imported: {e}") from e
+    if not callable(obj):
+        raise ConfigError(f"{field}={path!r} is not callable")
+    return obj
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    fn: str = ""
+    """The agent, by import path: 'my_pkg.agent:run', called as run(base_url, api_key, sample) -> reward."""
+    timeout_s: float = 300.0
+    """Wall time one agent may take; past it its episode ends ('agent_timeout')."""
+    workers: int = 32
+    """Agents run at once per host (threads)."""
+    branches: str = "drop"
+    """What the trainer gets of a session whose agent edited its history: 'drop' trains the last branch only (the
+    earlier ones stay in its `env_info`), 'keep' trains every branch as its own trajectory in the group."""
+
+    def __post_init__(self) -> None:
+        check("agent.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
+        check("agent.workers", self.workers, self.workers >= 1, ">= 1")
+        check_choice("agent.branches", self.branches, ("drop", "keep"))
+
+
+@dataclass(frozen=True)
+class AgentSample:
+    """What an agent function receives as its sample: the task's sample and the session its calls belong to."""
+
+    sample: Any
+    session_id: str
+    base_url: str
+    api_key: str
+
+    def client(self, **kw: Any) -> Any:
+        """An `openai.OpenAI` client whose every call carries this session."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kw).with_options(
+            default_headers={"X-Session-Id": self.session_id})
+
+
+def _empty(reason: str, error: str = "") -> Completion:
+    z = np.zeros(0, np.int32)
+    return Completion(tokens=z, logprobs=z.astype(np.float32), forced=z.astype(bool), versions=z, reward=0.0,
+                      reason=reason, end_reason=reason, env_info=[{"error": error}] if error else [])
+
+
+class AgentRunner:
+    """Runs one agent function over a server's sessions. `run_group(prompt)` samples `prompt.n` episodes."""
+
+    def __init__(self, server: Any, cfg: AgentConfig, fn: Callable[..., Any] | None = None):
+        self.server, self.cfg = server, cfg
+        self.fn = fn if fn is not None else resolve(cfg.fn)
+        self.pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="agent")
+
+    def _episode(self, prompt: Prompt) -> list[tuple[np.ndarray, Completion]]:
+        sid = f"agent-{uuid.uuid4().hex}"
+        view = AgentSample(prompt.sample, sid, self.server.url, self.server.cfg.api_key or "none")
+        fut = self.pool.submit(self.fn, view.base_url, view.api_key, view)
+        store = self.server.sessions
+        try:
+            reward, reason, error = float(fut.result(self.cfg.timeout_s)), "done", ""
+        except FutureTimeout:
+            reward, reason, error = 0.0, "agent_timeout", f"no return within agent.timeout_s={self.cfg.timeout_s}"
+        except Exception as e:  # noqa: BLE001 - an agent's failure ends its episode, never the run
+            log.warning("agent %s failed on %s: %r", self.cfg.fn, prompt.id, e)
+            reward, reason, error = 0.0, "agent_error", repr(e)
+        store.closed.add(sid)
+        rollouts = store.end(sid, reward, reason)
+        if not rollouts:
+            return [(np.zeros(0, np.int32), _empty("agent_no_call" if reason == "done" else reason, error))]
+        done = [(r.prompt_tokens, r.completions[0]) for r in rollouts]
+        for _, c in done:
+            c.end_reason = reason
+            if error:
+                c.env_info.append({"error": error})
+        if self.cfg.branches == "drop" and len(done) > 1:
+            done[-1][1].env_info.append({"dropped_branches": len(done) - 1})
+            done = done[-1:]
+        return done
+
+    def run_group(self, prompt: Prompt) -> Rollout:
+        """The group of `prompt.n` episodes, each its own session (run on the pool's threads, side by side)."""
+        with ThreadPoolExecutor(prompt.n) as ex:  # waits on the agents, which run on self.pool
+            groups = list(ex.map(lambda _: self._episode(prompt), range(prompt.n)))
+        head, done = fold([c for g in groups for c in g])
+        return Rollout(prompt, head, done, worker=self.server.engine.name)
+
+
+def fold(episodes: list[tuple[np.ndarray, Completion]]) -> tuple[np.ndarray, list[Completion]]:
+    """One group's prompt and completions from episodes whose prompts may differ (each agent renders its own first
+    messages): the group's prompt is their common prefix, and each episode's rest of its prompt opens its completion
+    as forced observation tokens (context, out of the loss), so every trained sequence is still exactly its ids."""
+    prompts = [p for p, _ in episodes if len(p)]
+    head = prompts[0] if prompts else np.zeros(0, np.int32)
+    for p in prompts[1:]:
+        n = min(len(head), len(p))
+        same = np.nonzero(head[:n] != p[:n])[0]
+        head = head[: same[0] if len(same) else n]
+    out = []
+    for p, c in episodes:
+        rest = np.asarray(p[len(head):], np.int32)
+        if not len(rest):
+            out.append(c)
+            continue
+        k, v = len(rest), c.prompt_version or 0
+        turns = c.turns if c.turns is not None else np.zeros(len(c.tokens), np.int32)
+        obs = c.observation if c.observation is not None else np.zeros(len(c.tokens), bool)
+        out.append(Completion(
+            tokens=np.concatenate([rest, c.tokens]), logprobs=np.concatenate([np.zeros(k, np.float32), c.logprobs]),
+            forced=np.concatenate([np.ones(k, bool), c.forced]),
+            versions=np.concatenate([np.full(k, v, np.int32), c.versions]), prompt_version=c.prompt_version,
+            text=c.text, finish_reason=c.finish_reason, ended_thinking=c.ended_thinking, reward=c.reward,
+            reason=c.reason, turns=np.concatenate([np.zeros(k, np.int32), turns]),
+            observation=np.concatenate([np.ones(k, bool), obs]), end_reason=c.end_reason,
+            turn_texts=c.turn_texts, env_s=c.env_s, env_info=c.env_info))
+    return np.asarray(head, np.int32), out

@@ -1,0 +1,48 @@
+"""The `endpoint` section: where the OpenAI-compatible server listens, who may call it, and its bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncrl.validate import ConfigError, check
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    host: str = "127.0.0.1"
+    """Address the server binds. Loopback by default: the agents run on the same host. Any other address serves
+    the policy to the network, so it requires `api_key`."""
+    port: int = 0
+    """TCP port; 0 takes a free one (the server reports its URL)."""
+    api_key: str | None = None
+    """Bearer token every request must carry (`Authorization: Bearer <key>`). None: no check, loopback only."""
+    model: str = "asyncrl"
+    """The model name requests must give (`GET /v1/models` lists it)."""
+    max_queued: int = 64
+    """Requests admitted at once (waiting for the engine or decoding). One more is answered 429 at once rather
+    than queued without bound: an agent's client retries, the engine is never flooded."""
+    max_n: int = 16
+    """Largest `n` (choices per request): a group of n samples takes n decode rows."""
+    request_timeout_s: float = 600.0
+    """How long a request may wait for its completion before it is answered 504."""
+    session_idle_s: float = 300.0
+    """How long a session's episode waits for the agent's next call (holding an environment thread and, while the
+    park store has room, its cache) before it ends with reason 'session_idle'."""
+    strict_sampling: bool = True
+    """The decode program samples at the run's temperature, with its per-turn cap and stop sequences: the trainer's
+    logprobs assume exactly that. True: a request asking for other `temperature`, `top_p`, a smaller `max_tokens`
+    or other `stop` gets a 400 naming the field. False: those fields are accepted and the run's values used."""
+
+    def __post_init__(self) -> None:
+        check("endpoint.port", self.port, 0 <= self.port < 65536, "in [0, 65535]")
+        if self.host not in LOOPBACK and not self.api_key:
+            raise ConfigError(f"endpoint.host={self.host!r} is invalid without endpoint.api_key: an address other "
+                              f"than loopback {list(LOOPBACK)} serves the policy to the network, so it needs a "
+                              "bearer token")
+        check("endpoint.model", self.model, bool(self.model), "a non-empty name")
+        check("endpoint.max_queued", self.max_queued, self.max_queued >= 1, ">= 1")
+        check("endpoint.max_n", self.max_n, self.max_n >= 1, ">= 1")
+        check("endpoint.session_idle_s", self.session_idle_s, self.session_idle_s > 0, "> 0")
+        check("endpoint.request_timeout_s", self.request_timeout_s, self.request_timeout_s > 0, "> 0")

@@ -1,0 +1,95 @@
+"""The decode thread of a served engine: requests come in from the HTTP side, the engine's own continuous batching
+samples them (`Engine.generate(..., drain=False)` and `Engine.advance`, as the inference worker's replica loop
+drives it), and each finished group resolves its request's future. Admission is bounded: past `max_queued`
+requests at once, `submit` refuses (the server answers 429) instead of queueing without end."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+
+from asyncrl.inference.engine import Engine, Request
+from asyncrl.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """More requests than `max_queued` are admitted already."""
+
+
+class EngineLoop:
+    """Owns `engine` on one thread. `submit` is thread-safe; the returned future gets the request's `Rollout`."""
+
+    def __init__(self, engine: Engine, max_queued: int):
+        self.engine, self.max_queued = engine, max_queued
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._futures: dict[int, tuple[Request, Future]] = {}  # id(prompt) -> its request and future
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def admitted(self) -> int:
+        with self._lock:
+            return len(self._futures)
+
+    def submit(self, request: Request) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self.error is not None:
+                raise RuntimeError(f"the engine loop failed: {self.error!r}")
+            if len(self._futures) >= self.max_queued:
+                raise Overloaded(f"{len(self._futures)} requests are in flight (endpoint.max_queued="
+                                 f"{self.max_queued})")
+            self._futures[id(request.prompt)] = (request, fut)
+        self._inbox.put(request)
+        return fut
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"{self.engine.name}-endpoint", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _take(self, wait: bool) -> list[Request]:
+        """Up to max_prefill_prompts new requests; waits a moment only when the engine has nothing to do (a busy
+        one must not pay a wait per decode call)."""
+        out: list[Request] = []
+        try:
+            out.append(self._inbox.get(timeout=0.05) if wait else self._inbox.get_nowait())
+            while len(out) < self.engine.P:
+                out.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def _done(self, rollout: Rollout) -> None:
+        with self._lock:
+            _, fut = self._futures.pop(id(rollout.prompt), (None, None))
+        if fut is not None:
+            fut.set_result(rollout)
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                eng.between_loops()
+                reqs = self._take(wait=not eng.busy)
+                if reqs:
+                    eng.generate(reqs, drain=False, on_group=self._done)
+                elif eng.busy:
+                    eng.advance(on_group=self._done)
+        except BaseException as e:  # noqa: BLE001 - every waiting request learns why, none hangs
+            log.exception("the endpoint's engine loop failed")
+            with self._lock:
+                self.error = e
+                pending, self._futures = list(self._futures.values()), {}
+            for _, fut in pending:
+                fut.set_exception(RuntimeError(f"the engine loop failed: {e!r}"))

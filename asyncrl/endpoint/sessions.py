@@ -1,0 +1,197 @@
+"""Sessions: an agent's calls of one episode, trained token-exact.
+
+A call that names a session (`session_id`, an extra body field) belongs to that episode. The server keeps each
+branch's exact token history: the prompt ids, then each sampled turn's ids and each observation's. A call whose
+messages extend a branch's (every earlier message equal, the assistant's as the server wrote them, then new
+non-assistant messages) is built as the stored tokens plus the new messages' tokens alone (`ObservationRenderer`:
+what the template puts after the model's turn end), and its episode goes on in the engine as any multi-turn episode
+does: its row's cache waits in the park store while the agent works, and is continued (fed or extended), never
+recomputed. Earlier turns are never re-rendered or re-tokenized, which is where token drift comes from: a template
+renders a sampled `<tool_call>{"name":"add",...}` back as `<tool_call>\\n{"name": "add", ...}\\n`.
+
+A call that edits earlier history (or changes the tools, or comes while the branch is busy or at its last turn) starts
+a new branch from a fresh render, recorded in its prompt's sample (`SessionSample.branch`). Each branch is its own
+episode and reaches the trainer as its own trajectory when the session ends (`SessionStore.end`, with the reward).
+
+Each episode's environment is a `SessionEnv`: its `step` hands the sampled turn to the waiting call and waits for the
+next call's observation, on the engine's environment threads (off the decode thread), at most
+`endpoint.session_idle_s`; an idle session's episodes end (reason "session_idle")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from asyncrl.endpoint.chat import Reply
+from asyncrl.endpoint.loop import Overloaded
+from asyncrl.endpoint.protocol import ApiError, ChatRequest
+from asyncrl.endpoint.responses import TurnOut
+from asyncrl.envs.chat import ObservationRenderer
+from asyncrl.inference.engine import Request
+from asyncrl.rollout import Prompt, Rollout, StepResult, Turn
+
+
+@dataclass(frozen=True)
+class SessionSample:
+    """What a session's episode carries as its prompt's sample (into its `Rollout`)."""
+
+    session: str
+    branch: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.session}/{self.branch}"
+
+
+@dataclass
+class _Command:
+    observation: list[int] | None = None  # go on with these ids; None: end the episode
+    waiter: Future | None = None  # gets the next turn
+    reward: float = 0.0
+    reason: str = "done"
+
+
+class SessionEnv:
+    """The environment of one branch: relays turns out to the calls and their observations in."""
+
+    stop: tuple = ()
+
+    def __init__(self, prompt: list[int], idle_s: float, waiter: Future):
+        self.prompt, self.idle_s, self.waiter = prompt, idle_s, waiter
+        self.inbox: queue.Queue[_Command] = queue.Queue()
+
+    def reset(self) -> list[int]:
+        return list(self.prompt)
+
+    def step(self, turn: Turn) -> StepResult:
+        if self.waiter is not None:
+            self.waiter.set_result(turn)
+            self.waiter = None
+        try:
+            cmd = self.inbox.get(timeout=self.idle_s)
+        except queue.Empty:
+            return StepResult(None, 0.0, True, "session_idle")
+        if cmd.observation is None:
+            return StepResult(None, cmd.reward, True, cmd.reason)
+        self.waiter = cmd.waiter
+        return StepResult(cmd.observation, 0.0, False)
+
+
+def _norm(m: dict[str, Any]) -> tuple:
+    """A message as compared for prefix matching: OpenAI's client sends back more fields than it got (ids, nulls),
+    and a call's arguments as a JSON string that may be spaced differently."""
+    def args(a: Any) -> str:
+        try:
+            a = json.loads(a) if isinstance(a, str) else a
+        except json.JSONDecodeError:
+            pass
+        return json.dumps(a, sort_keys=True)
+
+    calls = tuple((c["function"].get("name"), args(c["function"].get("arguments"))) for c in m.get("tool_calls") or [])
+    return m["role"], m.get("content") or "", calls, m.get("tool_call_id") or ""
+
+
+@dataclass
+class Branch:
+    index: int
+    tools_key: str
+    env: SessionEnv
+    rollout: Future
+    messages: list[dict[str, Any]] = field(default_factory=list)  # as the agent will send them back
+    ids: list[int] = field(default_factory=list)  # the exact context: prompt, turns, observations
+    last: Turn | None = None
+    busy: bool = True  # a call is waiting on its turn
+
+    def extends(self, messages: list[dict[str, Any]], tools_key: str) -> bool:
+        n = len(self.messages)
+        return (not self.busy and self.last is not None and not self.last.last and tools_key == self.tools_key
+                and len(messages) > n and all(_norm(a) == _norm(b) for a, b in zip(messages, self.messages))
+                and all(m["role"] != "assistant" for m in messages[n:]))
+
+
+class SessionStore:
+    """The sessions of one server: each session's branches, until `end` hands over their rollouts."""
+
+    def __init__(self, idle_s: float = 300.0):
+        self.idle_s = idle_s
+        self.sessions: dict[str, list[Branch]] = {}
+        self.closed: set[str] = set()  # ended sessions: a late call (a timed-out agent's) is refused
+        self._renderers: dict[str, ObservationRenderer] = {}
+
+    def _renderer(self, server: Any, tools: list[dict[str, Any]], key: str) -> ObservationRenderer:
+        if key not in self._renderers:
+            chat = server.chat
+            self._renderers[key] = ObservationRenderer(chat.tokenizer, chat.format.turn_end if chat.native else None,
+                                                       **chat.template_kwargs(tools))
+        return self._renderers[key]
+
+    async def chat(self, server: Any, request: web.Request, req: ChatRequest) -> web.StreamResponse:
+        if req.sampling.n != 1:
+            raise ApiError(400, "n: a session's call samples one choice (its episode has one history)", "n")
+        sid, key = req.session, json.dumps(req.tools, sort_keys=True)
+        if sid in self.closed:
+            raise ApiError(409, f"session_id: session {sid!r} has ended", "session_id")
+        branches = self.sessions.setdefault(sid, [])  # type: ignore[arg-type]
+        # Routing takes no await: calls run on one event loop, so two cannot both take a branch.
+        branch = next((b for b in reversed(branches) if b.extends(req.messages, key)), None)
+        if branch is not None:
+            obs = self._renderer(server, req.tools, key).after(branch.last.tokens, req.messages[len(branch.messages):])
+            server.check_context(branch.ids + obs, "messages")
+            prompt_ids = branch.ids + obs
+            waiter: Future = Future()
+            branch.busy = True
+            branch.env.inbox.put(_Command(observation=obs, waiter=waiter))
+        else:
+            prompt_ids = server.chat.prompt_ids(req.messages, req.tools)
+            server.check_context(prompt_ids, "messages")
+            waiter = Future()
+            env = SessionEnv(prompt_ids, self.idle_s, waiter)
+            index = len(branches)
+            prompt = Prompt(server.next_position(), SessionSample(sid, index), 1)  # type: ignore[arg-type]
+            try:
+                rollout = server.loop.submit(Request(prompt, prompt_ids, [env]))
+            except Overloaded as e:
+                raise ApiError(429, f"the engine is at capacity: {e}; retry later", None, "rate_limit_exceeded") from e
+            branch = Branch(index, key, env, rollout)
+            branches.append(branch)
+        turn = await self._turn(server, branch, waiter)
+        reply = server.chat.reply(turn.tokens, req.tools if req.tool_choice != "none" else [],
+                                  turn.finish == "length")
+        branch.ids, branch.last, branch.busy = prompt_ids + [int(t) for t in turn.tokens], turn, False
+        branch.messages = list(req.messages) + [self._message(reply)]
+        out = TurnOut(turn.tokens, turn.logprobs, turn.forced, turn.versions, turn.finish == "length")
+        extra = {"session_id": sid, "branch": branch.index, "turn": turn.index}
+        return await server.answer_chat(request, req, prompt_ids, [out], extra, [reply])
+
+    @staticmethod
+    def _message(reply: Reply) -> dict[str, Any]:
+        m: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            m["tool_calls"] = reply.tool_calls
+        return m
+
+    async def _turn(self, server: Any, branch: Branch, waiter: Future) -> Turn:
+        """The next turn of `branch`, or an ApiError if its episode ended without one."""
+        turn_f, ended_f = asyncio.wrap_future(waiter), asyncio.wrap_future(branch.rollout)
+        done, _ = await asyncio.wait({turn_f, ended_f}, timeout=server.cfg.request_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if turn_f in done:
+            return turn_f.result()
+        if ended_f in done:
+            why = ended_f.exception() or ended_f.result().completions[0].end_reason
+            raise ApiError(500, f"the session's episode ended without a turn: {why}", None, "server_error")
+        raise ApiError(504, f"no turn within endpoint.request_timeout_s={server.cfg.request_timeout_s}", None,
+                       "timeout")
+
+    def end(self, session: str, reward: float, reason: str = "done", timeout: float = 60.0) -> list[Rollout]:
+        """End every branch of `session` with `reward`; returns their rollouts once the engine has emitted them."""
+        branches = self.sessions.pop(session, [])
+        for b in branches:
+            b.env.inbox.put(_Command(reward=reward, reason=reason))
+        return [b.rollout.result(timeout) for b in branches]
