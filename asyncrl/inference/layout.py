@@ -4,6 +4,7 @@ compiled programs pin, the empty decode state they start from, and the CPU weigh
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,18 +16,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.state import DecodeState
 from asyncrl.models import dense, kvcache
+from asyncrl.models.config import ModelConfig
 from asyncrl.models.kvcache import KVCache
 from asyncrl.models.tokenizer import bucket_length
 from asyncrl.models.transformer import Model
 
 
-@jax.jit
-def cpu_decode_layout(params: Any) -> Any:
-    """Half-precision leaves as f32, the stacked layers split per layer, the matrices output-major
-    (`Weights._prepare`, `abstract_params`). One jitted function at module level, so each weight sync reuses its
-    compiled program (a fresh jit per call would recompile on every sync: a compile per step on every replica)."""
+@functools.partial(jax.jit, static_argnums=1)
+def cpu_decode_layout(params: Any, cfg: ModelConfig) -> Any:
+    """Half-precision leaves as f32, the stacked layers split per layer in model order (`cfg`: a MoE model's
+    dense-MLP layers among its sparse ones), the matrices output-major (`Weights._prepare`, `abstract_params`).
+    One jitted function at module level, so each weight sync reuses its compiled program (a fresh jit per call
+    would recompile on every sync: a compile per step on every replica)."""
     return dense.cpu_decode_layout(jax.tree.map(
-        lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, params))
+        lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x, params), cfg)
 
 
 class Layout:

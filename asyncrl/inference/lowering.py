@@ -36,10 +36,11 @@ class AbstractPrograms:
                                   self.model.param_shardings(self.mesh, dtype))
         if not self.cpu:
             return shapes
+        layout = lambda p: cpu_decode_layout(p, self.model.cfg)  # noqa: E731
         if self.mesh is None:
-            return jax.eval_shape(cpu_decode_layout, shapes)
+            return jax.eval_shape(layout, shapes)
         with jax.set_mesh(self.mesh):
-            return jax.eval_shape(cpu_decode_layout, shapes)
+            return jax.eval_shape(layout, shapes)
 
     def abstract_state(self, rows: int | None = None, split_rows: bool = True) -> DecodeState:
         """ShapeDtypeStructs of a decode state (`rows` = max_decode_batch_size) or, with split_rows=False, of a

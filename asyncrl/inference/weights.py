@@ -64,7 +64,8 @@ class Weights:
         Other backends decode with the trainer's tree as it is (TPU fuses the slice into the matmul)."""
         if params is None or not self.layout.cpu or dense.is_output_major(params):
             return params
+        cfg = self.layout.model.cfg
         if self.layout.mesh is None:
-            return cpu_decode_layout(params)
+            return cpu_decode_layout(params, cfg)
         with jax.set_mesh(self.layout.mesh):
-            return cpu_decode_layout(params)
+            return cpu_decode_layout(params, cfg)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from asyncrl.models.config import ModelConfig
 from asyncrl.models.lora import N_IN, LoraWeight, delta as lora_delta
 from asyncrl.models.params import unstack_layers
 
@@ -70,9 +71,13 @@ def einsum(eq: str, x: jax.Array, w: Any, **kw: Any) -> jax.Array:
 
 def cpu_decode_layer(layer: Any) -> Any:
     """A per-layer LayerParams with every matrix output-major (norm scales unchanged; a LoRA-adapted weight's
-    base is transposed, its small adapters are not)."""
+    base is transposed, its small adapters are not). A mixture-of-experts layer's MLP (`moe`, its dense MLP
+    fields None) keeps the trainer's layout: its experts are grouped matmuls (`ragged_dot`, which takes the
+    weights [E, in, out]) over the tokens routed to them, not a product of every row with every weight."""
 
     def one(w: Any, n_in: int) -> Any:
+        if w is None:
+            return None
         if isinstance(w, LoraWeight):
             return dataclasses.replace(w, w=output_major(w.w, n_in))
         return output_major(w, n_in)
@@ -81,10 +86,11 @@ def cpu_decode_layer(layer: Any) -> Any:
                           for f in layer.__dataclass_fields__})
 
 
-def cpu_decode_layout(params: Any) -> Any:
-    """Params -> per-layer (`params.unstack_layers`) with output-major matrices and LM head; the embedding
-    table stays [V, D]: it is already output-major for a tied head."""
-    params = unstack_layers(params)
+def cpu_decode_layout(params: Any, cfg: ModelConfig | None = None) -> Any:
+    """Params -> per-layer in model order (`params.unstack_layers`; `cfg` places a MoE model's dense-MLP layers)
+    with output-major matrices and LM head; the embedding table stays [V, D]: it is already output-major for a
+    tied head."""
+    params = unstack_layers(params, cfg)
     return type(params)(embed=params.embed, layers=tuple(cpu_decode_layer(l) for l in params.layers),
                         final_norm=params.final_norm,
                         lm_head=None if params.lm_head is None else output_major(params.lm_head, 1))
@@ -96,3 +102,23 @@ def is_output_major(params: Any) -> bool:
         return False
     wq = params.layers[0].wq
     return isinstance(wq.w if isinstance(wq, LoraWeight) else wq, OutputMajor)
+
+
+def project_heads(a: jax.Array, w: Any) -> jax.Array:
+    """[B, T, D] x [D, N, Dh] -> [B, T, N, Dh] as one [D, N*Dh] matmul (a cached forward's q/k/v). Given the 4-D
+    einsum, TPU relayouts the whole stacked [L, D, N, Dh] weight to head-major on every decode call (3 GB per call
+    for an 8B model); the merged 2-D weight is already in the layout its matmul reads."""
+    if isinstance(w, LoraWeight):
+        y = project_heads(a, w.w)
+        return y + lora_delta(a, w, y)
+    if isinstance(w, OutputMajor):  # the engine's CPU layout
+        return dense(a, w)
+    B, T, _ = a.shape
+    D, N, Dh = w.shape
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.explicit_axes:
+        return jnp.einsum("btd,dn->btn", a, w.reshape(D, N * Dh)).reshape(B, T, N, Dh)
+    w_spec, a_spec = jax.typeof(w).sharding.spec, jax.typeof(a).sharding.spec
+    w2 = w.reshape(D, N * Dh, out_sharding=P(w_spec[0], w_spec[1]))
+    y = jnp.einsum("btd,dn->btn", a, w2, out_sharding=P(a_spec[0], a_spec[1], w_spec[1]))
+    return y.reshape(B, T, N, Dh, out_sharding=P(a_spec[0], a_spec[1], w_spec[1], None))

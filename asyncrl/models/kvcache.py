@@ -107,3 +107,15 @@ def _write_rows(cache_k: jax.Array, cache_v: jax.Array, new_k: jax.Array, new_v:
     # output for its new-token operand). A decode step's one token a row keeps the loop, as it always had.
     unroll = cache_k.shape[1] if new_k.shape[3] > 1 and cache_k.shape[1] <= 16 else 1
     return jax.lax.fori_loop(0, cache_k.shape[1], row, (cache_k, cache_v), unroll=unroll)
+
+
+def write_call(cache: KVCache, ks: jax.Array, vs: jax.Array, start: jax.Array, kv_len: jax.Array,
+               at_lengths: bool) -> KVCache:
+    """A stacked cache with one call's K/V [L, B, K, T, Dh] written at each row's length (`at_lengths`, a cached
+    forward) or from position 0 (a prefill), its lengths `kv_len`."""
+    with jax.named_scope("kv_write"):
+        if at_lengths:
+            k, v = write_new(cache.k, cache.v, ks, vs, start)
+        else:
+            k, v = write_prefix(cache.k, cache.v, ks, vs)
+    return KVCache(k=k, v=v, length=kv_len)

@@ -14,9 +14,9 @@ end, past its group sizes, and count zero) and one psum over the expert (and ten
 No all-to-all: `ragged_all_to_all` does not run on XLA:CPU, so this is the path the fake-device tests can check;
 it moves [N, D] per layer (the psum) instead of the ~2*k/E*N*D of a dispatch and combine.
 
-Router replay hook: `moe_mlp(..., expert_ids=ids)` routes each token to the given experts instead of its top-k,
-with the gate weights still the router's own probabilities at those ids (so the router keeps its gradient), and
-every call returns the ids it used.
+Router replay: `moe_mlp(..., expert_ids=ids)` routes each token to the given experts instead of its top-k (a
+token given -1 takes its own top-k), with the gate weights still the router's own probabilities at those ids (so
+the router keeps its gradient), and every call returns the ids it used (`Model.apply_routed`).
 """
 
 from __future__ import annotations
@@ -28,20 +28,22 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from asyncrl.models.config import ModelConfig
-from asyncrl.models.params import MoeParams, Params
+from asyncrl.models.params import MoeParams, Params, unstack_layers
 
 
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
           expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [N, D], router [D, E] -> (gate weights [N, k] in x's dtype, expert ids [N, k] int32).
 
-    With `expert_ids` (replay) those are the ids; their weights are the softmax probabilities at them."""
+    With `expert_ids` [N, k] (replay) those are the ids, except in rows marked -1 (a token the sampler did not
+    route: a prompt or observation token), which take the router's own top-k; the weights are the softmax
+    probabilities at the ids either way, so the router keeps its gradient."""
     logits = jnp.einsum("nd,de->ne", x, router)  # [N, E]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    if expert_ids is None:
-        weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
-    else:
-        ids = expert_ids.astype(jnp.int32)
+    weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if expert_ids is not None:
+        given = expert_ids.astype(jnp.int32)
+        ids = jnp.where(given[:, :1] >= 0, given, ids)
         weights = jnp.take_along_axis(probs, ids, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -121,17 +123,5 @@ def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig,
 
 def layer_order(params: Params, cfg: ModelConfig) -> Params:
     """A MoE model with dense-MLP layers -> its layers one by one in model order (a tuple of per-layer
-    LayerParams, which the forward runs as a Python loop); any other model unchanged."""
-    if params.dense_layers is None:
-        return params
-    if isinstance(params.layers, tuple):
-        raise ValueError("layer_order: per-layer (unstacked) mixture-of-experts params are not supported yet")
-    sparse = {i: j for j, i in enumerate(cfg.sparse_layers)}
-    dense = {i: j for j, i in enumerate(cfg.dense_layers)}
-
-    def take(stack: Any, j: int) -> Any:
-        return jax.tree.map(lambda w: w[j], stack)
-
-    layers = tuple(take(params.layers, sparse[i]) if i in sparse else take(params.dense_layers, dense[i])
-                   for i in range(cfg.num_layers))
-    return type(params)(embed=params.embed, layers=layers, final_norm=params.final_norm, lm_head=params.lm_head)
+    LayerParams, which the forward runs as a Python loop: `params.unstack_layers`); any other model unchanged."""
+    return params if params.dense_layers is None else unstack_layers(params, cfg)

@@ -174,14 +174,18 @@ def replace(params: Params, **kw: Any) -> Params:
     return dataclasses.replace(params, **kw)
 
 
-def unstack_layers(params: Params) -> Params:
-    """`params.layers` as a tuple of per-layer LayerParams (no leading [L] axis): the forward then loops over
-    layers in Python instead of scanning. XLA:CPU copies a layer's weights out of the stacked arrays on every
-    scan step before its matmuls read them (a second pass over all the weights per decode step); separate
-    arrays are read in place. Inference on the CPU only: training and TPU programs keep the stacked tree."""
+def unstack_layers(params: Params, cfg: ModelConfig | None = None) -> Params:
+    """`params.layers` as a tuple of per-layer LayerParams (no leading [L] axis), in model order: the forward then
+    loops over layers in Python instead of scanning. XLA:CPU copies a layer's weights out of the stacked arrays on
+    every scan step before its matmuls read them (a second pass over all the weights per decode step); separate
+    arrays are read in place. Inference on the CPU only: training and TPU programs keep the stacked tree.
+
+    A MoE model's dense-MLP layers (`dense_layers`) interleave with its sparse ones at `cfg`'s layer indices; the
+    result has `dense_layers` None, like a dense model's (`moe.layer_order` uses the same order)."""
     if isinstance(params.layers, tuple):
+        if params.dense_layers is not None:
+            raise ValueError("unstack_layers: per-layer `layers` beside stacked `dense_layers` have no model order")
         return params
-    n = jax.tree.leaves(params.layers)[0].shape[0]
 
     def layer(x: Any, i: int) -> Any:
         if not isinstance(x, jax.ShapeDtypeStruct):
@@ -191,4 +195,15 @@ def unstack_layers(params: Params) -> Params:
             sh = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*sh.spec[1:]))
         return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sh)
 
-    return replace(params, layers=tuple(jax.tree.map(lambda x, i=i: layer(x, i), params.layers) for i in range(n)))
+    def split(stack: Any) -> list[Any]:
+        n = jax.tree.leaves(stack)[0].shape[0]
+        return [jax.tree.map(lambda x, i=i: layer(x, i), stack) for i in range(n)]
+
+    layers = split(params.layers)
+    if params.dense_layers is not None:
+        if cfg is None:
+            raise ValueError("unstack_layers: a MoE model with dense-MLP layers needs its ModelConfig (cfg) to "
+                             "know the layer order")
+        by_index = dict(zip(cfg.sparse_layers, layers)) | dict(zip(cfg.dense_layers, split(params.dense_layers)))
+        layers = [by_index[i] for i in range(cfg.num_layers)]
+    return replace(params, layers=tuple(layers), dense_layers=None)

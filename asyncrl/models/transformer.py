@@ -29,8 +29,9 @@ from asyncrl.models import dense as dense_lib, embedding, kvcache, moe as moe_li
 from asyncrl.models.attention import cached_attention
 from asyncrl.models.attention_impl import self_attention
 from asyncrl.models.config import ModelConfig
-from asyncrl.models.kvcache import KVCache, write_new, write_prefix
+from asyncrl.models.kvcache import KVCache, write_call, write_new, write_prefix
 from asyncrl.models.lora import LoraWeight, delta as lora_delta
+from asyncrl.models.norm import rms_norm
 from asyncrl.models.params import LayerParams, Params
 from asyncrl.models.rope import apply_rope, rope_tables
 from asyncrl.ops.logprobs import fused_linear_selection
@@ -38,13 +39,6 @@ from asyncrl.sharding.axes import TOKEN_AXES
 from asyncrl.sharding.rules import ShardingRules, drop_axes, spec_entry
 
 _LOGPROB_CHUNK = 1024  # tokens per fused LM-head chunk in `get_logprobs`: bounds the [chunk, V] fp32 temporary
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """HF RMSNorm: normalize in fp32, cast back, then scale (the cast order matters for bf16 parity)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return scale.astype(x.dtype) * xf.astype(x.dtype)
 
 
 def _explicit_mesh():
@@ -136,25 +130,6 @@ class Model:
             new = P(*new, reduced=set(summed))
         return jax.sharding.reshard(w, new)
 
-    def _project_heads(self, a: jax.Array, w: jax.Array) -> jax.Array:
-        """[B, T, D] x [D, N, Dh] -> [B, T, N, Dh] as one [D, N*Dh] matmul. Given the 4-D einsum, TPU relayouts
-        the whole stacked [L, D, N, Dh] weight to head-major on every decode call (3 GB per call for an 8B
-        model); the merged 2-D weight is already in the layout its matmul reads."""
-        if isinstance(w, LoraWeight):
-            y = self._project_heads(a, w.w)
-            return y + lora_delta(a, w, y)
-        if isinstance(w, dense_lib.OutputMajor):  # the engine's CPU layout
-            return dense_lib.dense(a, w)
-        B, T, _ = a.shape
-        D, N, Dh = w.shape
-        mesh = _explicit_mesh()
-        if mesh is None:
-            return jnp.einsum("btd,dn->btn", a, w.reshape(D, N * Dh)).reshape(B, T, N, Dh)
-        w_spec, a_spec = jax.typeof(w).sharding.spec, jax.typeof(a).sharding.spec
-        w2 = w.reshape(D, N * Dh, out_sharding=P(w_spec[0], w_spec[1]))
-        y = jnp.einsum("btd,dn->btn", a, w2, out_sharding=P(a_spec[0], a_spec[1], w_spec[1]))
-        return y.reshape(B, T, N, Dh, out_sharding=P(a_spec[0], a_spec[1], w_spec[1], None))
-
     def _contract(self, eq: str, x: jax.Array, w: jax.Array, seq: tuple[str, ...] = (), **kw: Any) -> jax.Array:
         if isinstance(w, LoraWeight):
             y = self._contract(eq, x, w.w, seq, **kw)
@@ -178,14 +153,21 @@ class Model:
         apply_lm_head: bool = True,
     ) -> tuple[jax.Array, KVCache | None]:
         """x: [B, T] int, sequence_lens: [B]. Returns (logits [B, T, V] fp32 or hidden [B, T, D], new cache)."""
-        return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, attend_cache=True)
+        return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, attend_cache=True)[:2]
+
+    def apply_routed(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None = None,
+                     apply_lm_head: bool = True, expert_ids: jax.Array | None = None
+                     ) -> tuple[jax.Array, KVCache | None, jax.Array | None]:
+        """`apply`, and a MoE model's routing: expert ids [B, T, Lm, k] int32 at its Lm MoE layers (None if dense).
+        `expert_ids` [B, T, Lm, k] replays a routing (`moe.route`): the given experts, gate weights recomputed."""
+        return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, True, expert_ids)
 
     def prefill(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache,
                 apply_lm_head: bool = False) -> tuple[jax.Array, KVCache]:
         """`apply` from position 0, into a cache whose rows hold nothing yet (their lengths are ignored):
         attention runs over the call's own tokens (the prompt bucket), never over the cache, and their K/V are
         written at positions 0..T-1 with one dynamic-update-slice."""
-        return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, attend_cache=False)  # type: ignore
+        return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, attend_cache=False)[:2]
 
     def _embed(self, embed: jax.Array, x: jax.Array, mesh: Any, seq: tuple[str, ...]) -> jax.Array:
         """[B, T] ids -> [B, T, D] rows of the table, in the activation layout."""
@@ -195,7 +177,7 @@ class Model:
         return embedding.lookup(table, x, mesh, self._act_spec(mesh, 2, seq), self._act_spec(mesh, 3, seq))
 
     def _forward(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None,
-                 apply_lm_head: bool, attend_cache: bool) -> tuple[jax.Array, KVCache | None]:
+                 apply_lm_head: bool, attend_cache: bool, expert_ids: jax.Array | None = None) -> tuple:
         c = self.cfg
         params = moe_lib.layer_order(params, c)  # a MoE model with dense-MLP layers: one by one, in model order
         B, T = x.shape
@@ -214,16 +196,18 @@ class Model:
         cos, sin = rope_tables(c, jax.sharding.reshard(q_pos, self._act_spec(mesh, 2, seq)) if seq else q_pos)
         own_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))  # positions within the call
 
-        def mlp(h: jax.Array, layer: LayerParams) -> jax.Array:
+        def mlp(h: jax.Array, layer: LayerParams, ids: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+            """-> (h, a MoE layer's expert ids [B, T, k] or None); `ids`: a routing to replay."""
             with jax.named_scope("mlp"):
                 m = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
                 if layer.moe is not None:  # a mixture-of-experts layer
-                    return h + moe_lib.moe_mlp(m, layer.moe, c)[0]
+                    y, used = moe_lib.moe_mlp(m, layer.moe, c, ids)
+                    return h + y, used
                 gate = dense_lib.einsum("btd,df->btf", m, layer.w_gate)
                 up = dense_lib.einsum("btd,df->btf", m, layer.w_up)
-                return h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down, seq)
+                return h + self._contract("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down, seq), None
 
-        def block(h: jax.Array, layer: LayerParams, index: jax.Array | int | None):
+        def block(h: jax.Array, layer: LayerParams, index: jax.Array | int | None, ids: jax.Array | None = None):
             summed = (*self._batch_axes(mesh), *seq) if mesh is not None and kv_cache is None else ()
             layer = jax.tree.map(lambda w: self._use(w, summed), layer)
             with jax.named_scope("attn"):
@@ -233,7 +217,7 @@ class Model:
                     k = dense_lib.einsum("btd,dhk->bthk", a, layer.wk)
                     v = dense_lib.einsum("btd,dhk->bthk", a, layer.wv)
                 else:
-                    q, k, v = (self._project_heads(a, w) for w in (layer.wq, layer.wk, layer.wv))
+                    q, k, v = (dense_lib.project_heads(a, w) for w in (layer.wq, layer.wk, layer.wv))
                 if c.qk_norm:
                     q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
                     k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
@@ -256,20 +240,32 @@ class Model:
                                        jnp.swapaxes(v, 1, 2)[None], start)
                     o = cached_attention(q, k, v, ck, cv, 0, start, sequence_lens, self.kv_block)
                     h = h + self._contract("bthk,hkd->btd", o, layer.wo, seq)
-                    return mlp(h, layer), (ck, cv)
+                    h, used = mlp(h, layer, ids)
+                    return h, (ck, cv), used
                 elif attend_cache:
                     o = cached_attention(q, k, v, kv_cache.k, kv_cache.v, index, start, sequence_lens, self.kv_block)
                 else:  # a prefill, causal over its own tokens
                     o = self_attention(q, k, v, own_pos, sequence_lens, self.flash, self.attention_impl)
                 h = h + self._contract("bthk,hkd->btd", o, layer.wo, seq)
-            h = mlp(h, layer)
+            h, used = mlp(h, layer, ids)
             # This call's K/V as [B, K, T, Dh], the cache layout: written once, after the layer loop.
-            return h, (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
+            return h, (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)), used
+
+        # Routing: each MoE layer's ids, from the Python loops (`routes`, model order) or a scan's ys [Lm, ...].
+        stacked_ids = None if expert_ids is None else jnp.moveaxis(expert_ids, 2, 0)
+        routes, scan_routes = [], None
+
+        def replay(layer: LayerParams) -> jax.Array | None:
+            return None if expert_ids is None or layer.moe is None else stacked_ids[len(routes)]
+
+        def keep(used: jax.Array | None) -> None:
+            if used is not None:
+                routes.append(used)
 
         if kv_cache is None:
-            def body(h, layer):
-                h, _ = block(h, layer, None)
-                return h, None
+            def body(h, xs):
+                h, _, used = block(h, *xs)
+                return h, used
 
             if self.remat:  # 'full': only the residual stream between layers; 'dots': matmul outputs too
                 policy = {"full": jax.checkpoint_policies.nothing_saveable,
@@ -277,9 +273,10 @@ class Model:
                 body = jax.checkpoint(body, policy=policy)
             if isinstance(params.layers, tuple):  # unstacked (params.unstack_layers): a Python loop
                 for layer in params.layers:
-                    h, _ = body(h, layer)
+                    h, used = body(h, (layer, None, replay(layer)))
+                    keep(used)
             else:
-                h, _ = jax.lax.scan(body, h, params.layers)
+                h, scan_routes = jax.lax.scan(body, h, (params.layers, None, stacked_ids))
             new_cache = None
         else:
             if isinstance(kv_cache.k, tuple):  # per-layer cache (the engine on the CPU)
@@ -287,7 +284,8 @@ class Model:
                     raise ValueError("a per-layer KV cache needs per-layer weights (params.unstack_layers)")
                 new_k, new_v = [], []
                 for i, layer in enumerate(params.layers):
-                    h, (k_i, v_i) = block(h, layer, i)
+                    h, (k_i, v_i), used = block(h, layer, i, replay(layer))
+                    keep(used)
                     if not attend_cache:  # a prefill: the leaf is written after (it reads no cache)
                         k_i, v_i = write_prefix(kv_cache.k[i], kv_cache.v[i], k_i[None], v_i[None])
                     new_k.append(k_i)
@@ -296,28 +294,25 @@ class Model:
             elif isinstance(params.layers, tuple):  # per-layer weights, stacked cache
                 outs = [None] * c.num_layers
                 for i, layer in enumerate(params.layers):
-                    h, outs[i] = block(h, layer, i)
+                    h, outs[i], used = block(h, layer, i, replay(layer))
+                    keep(used)
                 ks, vs = jnp.stack([k for k, _ in outs]), jnp.stack([v for _, v in outs])
-                new_cache = self._write_cache(kv_cache, ks, vs, start, kv_len, attend_cache)
+                new_cache = write_call(kv_cache, ks, vs, start, kv_len, attend_cache)
             else:
                 # The cache is read inside the loop (a loop-invariant operand: each layer reads its own blocks)
                 # but is neither an xs nor a carry, so no step copies a layer of it out and back.
-                h, (ks, vs) = jax.lax.scan(lambda h, xs: block(h, *xs), h,
-                                           (params.layers, jnp.arange(c.num_layers, dtype=jnp.int32)))
-                new_cache = self._write_cache(kv_cache, ks, vs, start, kv_len, attend_cache)
+                def step(h, xs):
+                    h, kv, used = block(h, *xs)
+                    return h, (kv, used)
+
+                h, ((ks, vs), scan_routes) = jax.lax.scan(
+                    step, h, (params.layers, jnp.arange(c.num_layers, dtype=jnp.int32), stacked_ids))
+                new_cache = write_call(kv_cache, ks, vs, start, kv_len, attend_cache)
 
         h = rms_norm(h, self._use(params.final_norm), c.rms_norm_eps)
-        return (self.lm_head(params, h) if apply_lm_head else h), new_cache
-
-    @staticmethod
-    def _write_cache(cache: KVCache, ks: jax.Array, vs: jax.Array, start: jax.Array, kv_len: jax.Array,
-                     at_lengths: bool) -> KVCache:
-        with jax.named_scope("kv_write"):
-            if at_lengths:
-                k, v = write_new(cache.k, cache.v, ks, vs, start)
-            else:
-                k, v = write_prefix(cache.k, cache.v, ks, vs)
-        return KVCache(k=k, v=v, length=kv_len)
+        ids = jnp.moveaxis(scan_routes, 0, 2) if scan_routes is not None else (
+            jnp.stack(routes, axis=2) if routes else None)  # [B, T, Lm, k]
+        return (self.lm_head(params, h) if apply_lm_head else h), new_cache, ids
 
     def lm_head_weight(self, params: Params) -> jax.Array:
         """[D, V] LM head (the transposed embedding when tied), gathered `reduced` over the token axes its fused
@@ -365,12 +360,13 @@ class Model:
         y = jnp.reshape(y, shape, out_sharding=self._act_spec(mesh, 2, self.seq_axes(mesh)))
         return jax.sharding.reshard(y, self._act_spec(mesh, 2))[:, :-1]
 
-    def get_logprobs(self, params: Params, tokens: jax.Array, seq_lens: jax.Array,
-                     temperature: float = 1.0) -> jax.Array:
+    def get_logprobs(self, params: Params, tokens: jax.Array, seq_lens: jax.Array, temperature: float = 1.0,
+                     expert_ids: jax.Array | None = None) -> jax.Array:
         """[B, T] tokens -> [B, T-1] log p(tokens[:, t+1] | tokens[:, :t+1]) under softmax(logits / temperature).
 
-        Positions at or past seq_lens-1 are 0. Temperature semantics: see `asyncrl/inference/sampling.py`."""
-        h, _ = self.apply(params, tokens, seq_lens, apply_lm_head=False)
+        Positions at or past seq_lens-1 are 0. Temperature semantics: see `asyncrl/inference/sampling.py`.
+        `expert_ids` [B, T, Lm, k]: a MoE routing to replay (`apply_routed`; -1: the router's own choice)."""
+        h, _, _ = self.apply_routed(params, tokens, seq_lens, apply_lm_head=False, expert_ids=expert_ids)
         h = h / (temperature if temperature > 0 else 1.0)  # [B, T, D]; (h / t) @ W == logits / t
         B, T, _ = h.shape
         # The fused LM head never materialises [B, T, V] logits (the trainer's path, see ops/logprobs.py).
