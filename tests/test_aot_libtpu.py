@@ -56,6 +56,20 @@ def test_aot_prints_the_table_and_nothing_from_libtpu(tmp_path):
     assert all(ln.split()[10] == "yes" for ln in lines[3:]), lines  # the "fits" column
 
 
+@pytest.mark.skipif(not _has_libtpu() or libtpu.tpu_attached(), reason="needs libtpu installed and no TPU attached")
+def test_a_users_persistent_compilation_cache_adds_nothing_to_the_console(tmp_path):
+    """A compile-only client cannot load executables back: with JAX_COMPILATION_CACHE_DIR set, the second run
+    printed JAX's 'Error reading persistent compilation cache entry' warning for every program. aot runs without
+    the cache."""
+    env = _user_env() | {"ASYNCRL_CACHE": str(tmp_path), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"),
+                         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "launch.py", "aot", "--config-name", "tpu_tiny", "--programs", "decode"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert all(_PROGRESS.match(ln) for ln in out.stderr.splitlines()), out.stderr[-3000:]
+
+
 def _clear(monkeypatch, attached: bool) -> None:
     monkeypatch.setattr(libtpu, "tpu_attached", lambda: attached)
     for key in (*libtpu._USER_TPU_ENV, "TPU_LOG_DIR"):

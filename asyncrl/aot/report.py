@@ -104,6 +104,17 @@ def chip_of(topology: str) -> tuple[str, ChipSpec, float]:
     return kind, CHIPS[kind], USABLE_HBM[kind]
 
 
+def without_persistent_cache() -> None:
+    """Called first by the compile-only commands (`aot`, `plan`), each its own process. A compile-only client
+    cannot load an executable back ("PjRtCompiler must be constructed with a Client to call
+    DeserializeLoadedExecutable"), so with a persistent compilation cache set (JAX_COMPILATION_CACHE_DIR) every
+    program after the first run printed a warning and saved nothing. JAX reads the setting once per process, at its
+    first compile: this is a no-op where something already compiled."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 def topology_devices(topology: str) -> list[Any]:
     """The devices of a TPU slice, from libtpu's topology description (no TPU needed)."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu's lock file would refuse a second process

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from asyncrl.aot.programs import ProgramsConfig
-from asyncrl.aot.report import AotError, failure_message, format_table, json_rows, run_aot
+from asyncrl.aot.report import AotError, failure_message, format_table, json_rows, run_aot, without_persistent_cache
 from asyncrl.config.loader import load_config, split_config_name
 from asyncrl.config.schema import Config
 from asyncrl.validate import ConfigError
@@ -32,6 +32,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--programs", default=None,
                     help="comma-separated: only programs whose name starts with one of these (e.g. train_step,decode)")
     args, rest = ap.parse_known_args(list(argv))
+    without_persistent_cache()
     try:
         cfg = load_config(*split_config_name(rest))
     except ConfigError as e:

@@ -65,6 +65,10 @@ def predicted_row(result: Any, dropped_lag_steps: int) -> dict[str, float]:
 
 def main(argv: Sequence[str]) -> int:
     args, rest = _parser().parse_known_args(list(argv))
+    if not args.from_run:  # a preset is compiled for its TPU slice, by a compile-only client
+        from asyncrl.aot.report import without_persistent_cache
+
+        without_persistent_cache()
     if args.from_run:
         if rest:
             raise SystemExit(f"plan: --from-run takes no config arguments: {rest}")
