@@ -2,6 +2,7 @@
 follows the measured ESS up to max_lag and back, groups from a lag under the ESS floor are dropped and credited,
 and the fixed policy is the one it always was."""
 
+import json
 import time
 
 import pytest
@@ -53,6 +54,29 @@ def test_a_lag_under_the_floor_is_dropped_and_credited_until_its_figure_expires(
     # again (and measured again).
     assert not a.below_floor(2, 4 + FLOOR_WINDOW + 1)
     assert Staleness(3).drop_reason(4, group(1, 2, [0, 1])) is None  # fixed admission has no floor
+
+
+def test_lag_0_is_never_dropped_for_ess_so_a_step_always_fills():
+    """A lag-0 group's replacement would be lag 0 again: dropping it would stall the step for good (the figure
+    ages by trained steps, and none would train)."""
+    a = Admission(max_lag=2, ess_target=0.9, ess_floor=0.6)
+    a.observe(3, {0: 0.55, 1: 0.4})
+    assert not a.below_floor(0, 4) and a.below_floor(1, 4)
+    s = Staleness(2, a)
+    stream = iter([group(0, 3, [0, 1]), group(1, 3, [1, 0])])
+    kept, _ = collect_rollouts(lambda t: next(stream), 2, 3, s, timeout_s=1.0)
+    assert [r.prompt.position for r in kept] == [0, 1]
+
+
+def test_admission_state_round_trips_through_checkpoint_meta():
+    a = Admission(max_lag=3, ess_target=0.9, ess_floor=0.5)
+    for step in range(1, 4):
+        a.observe(step, {0: 0.99, step - 1: 0.3 + 0.2 * step})
+    meta = json.loads(json.dumps(a.state()))  # as the checkpoint meta stores it
+    b = Admission(max_lag=3, ess_target=0.9, ess_floor=0.5)
+    b.restore(meta)
+    assert (b.ahead, b.floor_ess) == (a.ahead, a.floor_ess)
+    assert [b.below_floor(lag, 4) for lag in range(4)] == [a.below_floor(lag, 4) for lag in range(4)]
 
 
 def test_an_ess_drop_is_credited_like_a_lag_drop():

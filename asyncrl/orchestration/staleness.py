@@ -75,13 +75,21 @@ class Admission:
             self.ahead = max(self.ahead - 1, 0)
 
     def below_floor(self, lag: int, step: int) -> bool:
-        """Groups of `lag` measured (recently) an ESS under the floor."""
+        """Groups of `lag` measured (recently) an ESS under the floor. Never lag 0: its replacement would come
+        back at lag 0 again, be dropped again, and the step would never fill (nor the figure ever expire, as it
+        ages by trained steps)."""
         measured = self.floor_ess.get(lag)
-        return (self.ess_floor > 0 and measured is not None and step - measured[1] <= FLOOR_WINDOW
+        return (lag > 0 and self.ess_floor > 0 and measured is not None and step - measured[1] <= FLOOR_WINDOW
                 and measured[0] < self.ess_floor)
 
-    def state(self) -> dict[str, int]:
-        return {"ahead": self.ahead}
+    def state(self) -> dict[str, object]:
+        """Checkpoint meta: a resumed run releases and drops as the uninterrupted one would."""
+        return {"ahead": self.ahead, "floor_ess": {str(lag): list(v) for lag, v in self.floor_ess.items()}}
+
+    def restore(self, state: dict[str, object]) -> None:
+        self.ahead = min(int(state["ahead"]), self.max_lag)  # type: ignore[call-overload]
+        floor = state.get("floor_ess") or {}
+        self.floor_ess = {int(lag): (float(v[0]), int(v[1])) for lag, v in floor.items()}  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ class TrainerWorker:
 
         cfg = self.cfg
         self.trainer, self.ckpt, self._resume_meta = build_trainer(cfg, self.run_dir)
+        if self.staleness.admission is not None and "admission" in self._resume_meta:
+            self.staleness.admission.restore(self._resume_meta["admission"])  # every host: each collector drops
         ws = cfg.weightsync
         self.transfer = HopChainTransfer(self.tw, jax.devices(), bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s)
         self.infer_dtype = jnp.dtype(cfg.params_dtype)
@@ -127,8 +129,6 @@ class TrainerWorker:
                              drain_remote=remote, timeout_s=t, who=f"trainer{self.rank}")
         if self._resume_meta:
             self.feeder.restore(self._resume_meta)
-            if self.staleness.admission is not None and "admission_ahead" in self._resume_meta:
-                self.staleness.admission.ahead = min(int(self._resume_meta["admission_ahead"]), cfg.async_.max_lag)
         self.evals = Evals(lambda: task.samples("eval", cfg.task.seed), cfg.eval.num_prompts, cfg.eval.group_size,
                            self.run_dir, put=lambda item, to: self.q["eval_prompt"].put(item, to),
                            poll=self.q["eval_rollout"].poll, qsize=self.q["eval_rollout"].qsize, timeout_s=t,
@@ -246,8 +246,8 @@ class TrainerWorker:
         if self.feeder is None:
             return {}
         self.feeder.drain_remote()  # every host's consumption up to this step is queued by now (the step is collective)
-        ahead = {} if self.staleness.admission is None else {"admission_ahead": self.staleness.admission.ahead}
-        return {**self.feeder.state(), **ahead}
+        admission = {} if self.staleness.admission is None else {"admission": self.staleness.admission.state()}
+        return {**self.feeder.state(), **admission}
 
     def _measure_staleness(self, step: int, version: int, rollouts: list) -> dict[str, float]:
         """The trained groups' ESS and k3 from the step's proximal pass, by lag (`train/ess.py`), combined over the
