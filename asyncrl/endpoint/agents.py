@@ -105,7 +105,11 @@ class AgentRunner:
             log.warning("agent %s failed on %s: %r", self.cfg.fn, prompt.id, e)
             reward, reason, error = 0.0, "agent_error", repr(e)
         store.closed.add(sid)
-        rollouts = store.end(sid, reward, reason)
+        try:
+            rollouts = store.end(sid, reward, reason)
+        except Exception as e:  # noqa: BLE001 - a branch whose turn never ends fails its episode, not the group
+            log.warning("agent %s: session %s did not end: %r", self.cfg.fn, sid, e)
+            return [(np.zeros(0, np.int32), _empty("agent_timeout", f"the session's episode did not end: {e!r}"))]
         if not rollouts:
             return [(np.zeros(0, np.int32), _empty("agent_no_call" if reason == "done" else reason, error))]
         done = [(r.prompt_tokens, r.completions[0]) for r in rollouts]
