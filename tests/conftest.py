@@ -1,29 +1,12 @@
 """Test-wide setup. Fake CPU devices must be configured before JAX touches a backend, so it happens here."""
 
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One JAX persistent compilation cache for the whole session, inherited by every subprocess and Ray actor that a
-# test starts: many tests compile the same tiny-model programs (an engine per test, a trainer per launch, a host
-# again after each restart), and CI's time goes largely to XLA compiles. A cache hit returns the executable that
-# the same HLO compiled to, so results are unchanged. JAX writes entries from jax process 0 only (the trainer in a
-# multi-host run); the others compile as before.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="asyncrl-test-jax-cache-")
-_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
-
-
-def pytest_unconfigure(config):
-    if os.path.basename(_CACHE).startswith("asyncrl-test-jax-cache-"):  # ours, not one the caller named
-        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

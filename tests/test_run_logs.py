@@ -76,7 +76,7 @@ def test_rows_published_before_the_hosts_die_are_kept(monkeypatch):
     monkeypatch.setattr(driver.ray, "kill", lambda a, no_restart=True: order.append(("kill", a)))
     published = []  # what reached the driver queue: row 7 arrives while the teardown kills the hosts
     queue = SimpleNamespace(drain=lambda: [published.pop(0) for _ in range(len(published))],
-                            q=SimpleNamespace(actor="driver-queue"))
+                            q=SimpleNamespace(hub="driver-queue"))  # every queue lives in one hub actor
     trainer = "trainer-actor"
 
     def kill(a, no_restart=True):

@@ -223,18 +223,28 @@ try:
     print("RECEIVED", flush=True)
 except TimeoutError as e:
     print("ERROR", e, flush=True)
+# Rank 0 hosts the coordination service: leaving before rank 1 has timed out too would take rank 1 down with it
+# (a fatal "another task died"), which a loaded machine made happen. Rank 1 marks when it is done.
+done = sys.argv[3]
+if rank == 1:
+    open(done, "w").close()
+else:
+    import time
+    t0 = time.time()
+    while not os.path.exists(done) and time.time() - t0 < 45:
+        time.sleep(0.05)
 os._exit(0)
 """
 
 
-def test_weights_are_matched_to_their_announced_version_not_to_their_order():
+def test_weights_are_matched_to_their_announced_version_not_to_their_order(tmp_path):
     """Each side's barriers carry the version it was told of: a receiver expecting v4 never takes v3's weights, and
     both sides time out naming the version they waited for."""
     port = _port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.path.dirname(HERE)
-    procs = [subprocess.Popen([sys.executable, "-c", MISMATCHED_VERSION, str(r), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", MISMATCHED_VERSION, str(r), str(port), str(tmp_path / "done")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
     try:
         outs = [p.communicate(timeout=60)[0] for p in procs]
     finally:
