@@ -62,3 +62,16 @@ def serve(model: Model, params: object, tok: Tokenizer, cfg: EndpointConfig | No
 def shutdown(server: EndpointServer) -> None:
     server.stop()
     server.loop.stop()
+
+
+def served_tool_call_model(tmp_path_factory):
+    """The module fixture of both endpoint test files: (tok, model, params, server, openai client), the server
+    shut down after the module."""
+    import openai
+
+    tok = qwen3_tokenizer(str(tmp_path_factory.mktemp("qwen3")))
+    model, params = tool_call_model(tok)
+    server = serve(model, params, tok)
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    yield tok, model, params, server, client
+    shutdown(server)

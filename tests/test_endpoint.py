@@ -18,7 +18,7 @@ from asyncrl.endpoint.chat import ChatFormat
 from asyncrl.endpoint.config import EndpointConfig
 from asyncrl.models.tokenizer import Tokenizer
 from asyncrl.validate import ConfigError
-from tests.endpoint_fixtures import CALL, CFG, TOOLS, qwen3_tokenizer, serve, shutdown, tool_call_model
+from tests.endpoint_fixtures import CALL, CFG, TOOLS, serve, served_tool_call_model, shutdown
 from tests.helpers import build_llama31_tokenizer
 
 USER = [{"role": "user", "content": "Add one to 1, with the tool."}]
@@ -26,12 +26,7 @@ USER = [{"role": "user", "content": "Add one to 1, with the tool."}]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tok = qwen3_tokenizer(str(tmp_path_factory.mktemp("qwen3")))
-    model, params = tool_call_model(tok)
-    server = serve(model, params, tok)
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-    yield tok, model, params, server, client
-    shutdown(server)
+    yield from served_tool_call_model(tmp_path_factory)
 
 
 def _teacher_forced(model, params, prompt, tokens):

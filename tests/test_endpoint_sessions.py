@@ -16,17 +16,12 @@ from asyncrl.endpoint.chat import ChatFormat
 from asyncrl.envs.chat import ObservationRenderer
 from asyncrl.rollout import Prompt
 from asyncrl.validate import ConfigError
-from tests.endpoint_fixtures import CALL, CFG, TOOLS, qwen3_tokenizer, serve, shutdown, tool_call_model
+from tests.endpoint_fixtures import CALL, CFG, TOOLS, served_tool_call_model
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tok = qwen3_tokenizer(str(tmp_path_factory.mktemp("qwen3")))
-    model, params = tool_call_model(tok)
-    server = serve(model, params, tok)
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-    yield tok, model, params, server, client
-    shutdown(server)
+    yield from served_tool_call_model(tmp_path_factory)
 
 
 def _agent_calls(client, session, user, calls=3):

@@ -45,6 +45,20 @@ def _greedy_reference(model, params, prompt, n, width=32):
     return ids[len(prompt):]
 
 
+def _checked_against_teacher_forcing(model, params, out) -> int:
+    """Every sampled token's logprob equals a teacher-forced pass over prompt + completion (<= 1e-4); returns how
+    many were checked."""
+    checked = 0
+    for r in out:
+        for c in r.completions:
+            full = np.concatenate([r.prompt_tokens, c.tokens])
+            lp = np.asarray(model.get_logprobs(params, jnp.asarray(full[None]), jnp.asarray([len(full)])))
+            lp = lp[0, len(r.prompt_tokens) - 1:]
+            np.testing.assert_allclose(c.logprobs[~c.forced], lp[~c.forced], atol=1e-4)
+            checked += int((~c.forced).sum())
+    return checked
+
+
 @pytest.mark.parametrize("devices,mode", [(1, "threads"), (4, "spmd")])
 def test_greedy_decode_equals_full_forward_greedy(moe_params, tok, devices, mode):
     """Continuous batching (6 prompts x 1 sample through a batch of 4), on one device and on a dp x tp replica whose
@@ -66,15 +80,7 @@ def test_greedy_decode_equals_full_forward_greedy(moe_params, tok, devices, mode
 def test_sampled_logprobs_match_teacher_forced(moe_params, tok):
     model, params = moe_params
     out = ReplicaSet(model, params, BASE, tok, devices=jax.devices()[:1], seed=3).generate(_requests(tok))
-    checked = 0
-    for r in out:
-        for c in r.completions:
-            full = np.concatenate([r.prompt_tokens, c.tokens])
-            lp = np.asarray(model.get_logprobs(params, jnp.asarray(full[None]), jnp.asarray([len(full)])))
-            lp = lp[0, len(r.prompt_tokens) - 1:]
-            np.testing.assert_allclose(c.logprobs[~c.forced], lp[~c.forced], atol=1e-4)
-            checked += int((~c.forced).sum())
-    assert checked > 50
+    assert _checked_against_teacher_forcing(model, params, out) > 50
 
 
 def _mixed_reference(model, weights, prompt, c):
@@ -146,14 +152,8 @@ def test_a_multi_turn_trajectory_is_what_the_sampler_saw(moe_params, tok, feed):
     cfg = dataclasses.replace(BASE, max_seq_len=96, max_turns=3, max_new_tokens=10, decode_feed_tokens=feed)
     eng = Engine(model, params, cfg, tok, seed=1)
     out = eng.generate(_requests(tok, 3, 2, envs=lambda ids, k: [_Echo(ids, obs) for _ in range(k)]))
-    checked = 0
     for r in out:
         for c in r.completions:
             assert c.n_turns == 3 and c.observation_tokens == sum(len(o) for o in obs)
-            full = np.concatenate([r.prompt_tokens, c.tokens])
-            lp = np.asarray(model.get_logprobs(params, jnp.asarray(full[None]), jnp.asarray([len(full)])))
-            lp = lp[0, len(r.prompt_tokens) - 1:]
-            np.testing.assert_allclose(c.logprobs[~c.forced], lp[~c.forced], atol=1e-4)
-            checked += int((~c.forced).sum())
-    assert checked > 50
+    assert _checked_against_teacher_forcing(model, params, out) > 50
     assert (eng.stats.fed_tokens > 0) == (feed > 0) and (eng.stats.extend_time > 0) == (feed == 0)
