@@ -13,6 +13,29 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: heavy test (real model, multi-process); deselect with -m 'not slow'")
 
 
+# The modules whose tests start local Ray clusters (launch.py runs, ray.init). Under pytest-xdist one worker runs
+# them all, one at a time: test_orchestration_e2e asserts that every Ray process its run started is gone
+# afterwards, and would count another worker's; and two multi-process runs at once would ask more of CI's two cores
+# than they have.
+RAY_MODULES = {"test_failures.py", "test_lora_run.py", "test_orchestration_e2e.py", "test_own_environment.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n 2` (.ci/run): each module is one unit of work, so that its module fixtures are built, and the
+    programs its tests share compiled, in one worker only; the Ray modules are one unit together. (xdist's own
+    `--dist loadgroup` cannot express this under pytest 9: it renames `item._nodeid`, which pytest 9 no longer
+    reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if os.path.basename(module) in RAY_MODULES else module
+
+    return ModuleScheduling(config, log)
+
+
 # Shared by the engine tests (test_inference_engine.py, test_multiturn.py): the character tokenizer and the tiny
 # model with seed-0 weights, built once per module.
 @pytest.fixture(scope="module")
