@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -164,11 +165,50 @@ def ray_pids() -> set[int]:
     return {int(line.split(None, 1)[0]) for line in out if any(k in line for k in keys)}
 
 
-def launch(run_dir, *overrides, timeout=600, env_extra=None):
+# Set by conftest.py for the test session: the folder of the JAX compilation cache that every launch shares.
+COMPILE_CACHE_VAR = "ASYNCRL_TEST_COMPILE_CACHE"
+
+
+def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a `python launch.py` run started by a test: this process's, less its fake-device settings
+    and any Ray address (the run starts its own cluster and hosts), plus `extra`.
+
+    The runs share one JAX compilation cache (a folder of this test session): a run's trainer host otherwise spends
+    about 12 s of its startup compiling the train step the previous run of the same config compiled, and a slow
+    test makes up to four runs (restarts included). The cache holds what jax.distributed process 0, the trainer,
+    compiles (JAX writes from process 0 only); the in-process tests do not use it, since a cache hit leaves jit's
+    own cache empty and some of them count compiled programs."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
-    env |= env_extra or {}
+    if os.environ.get(COMPILE_CACHE_VAR):
+        env["JAX_COMPILATION_CACHE_DIR"] = os.environ[COMPILE_CACHE_VAR]
+    return env | (extra or {})
+
+
+def launch(run_dir, *overrides, timeout=600, env_extra=None):
+    env = launch_env(env_extra)
     cmd = [sys.executable, "launch.py", f"run.run_dir={run_dir}", "logging.ray_metrics=false", *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def end_session(sid: int, timeout_s: float = 30.0) -> None:
+    """SIGKILL every process of session `sid`, a command started with `start_new_session=True` and everything it
+    spawned (Ray's daemons leave their process group, not their session), until none is left."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = []
+        for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+                if os.getsid(pid) == sid and not zombie:
+                    os.kill(pid, signal.SIGKILL)
+                    left.append(pid)
+            except OSError:  # gone meanwhile
+                pass
+        if not left:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"processes of session {sid} outlived {timeout_s:g}s of SIGKILLs")
 
 
 def rows(run_dir):

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from asyncrl.orchestration.progress import Progress
+from tests.helpers import launch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +62,7 @@ STEPS = 8
 
 
 def _launch(run_dir, *overrides, tty):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    env = launch_env()
     env["RAY_DEDUP_LOGS"] = "0"  # Ray folds look-alike lines into "[repeated Nx]"; every line is counted here
     cmd = [sys.executable, "launch.py", f"run.run_dir={run_dir}", f"train.total_steps={STEPS}", *TINY, *overrides]
     if tty:  # a real pseudo-terminal for stdout and stderr: `script` runs the command under one

@@ -17,6 +17,8 @@ import urllib.request
 import psutil
 import pytest
 
+from tests.helpers import launch_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["train.format_warmstart_steps=0", "inference.max_seq_len=24", "inference.max_decode_batch_size=8",
         "inference.max_prefill_prompts=4", "train.train_batch_size=32", "inference.group_size=4",
@@ -56,7 +58,7 @@ def _listening(pid: int) -> list[str]:
 def test_local_dashboard_serves_live_asyncrl_gauges_on_loopback(tmp_path):
     metrics_port, dash_port, run = _free_port(), _free_port(), "dash-test"
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    env = launch_env()
     env["RAY_metrics_report_interval_ms"] = "1000"  # Ray's push interval from workers to the metrics agent
     cmd = [sys.executable, "launch.py", f"run.run_dir={run_dir}", f"run.name={run}", "train.total_steps=400", *TINY,
            "run.dashboard=true", f"run.dashboard_port={dash_port}", f"run.metrics_export_port={metrics_port}"]

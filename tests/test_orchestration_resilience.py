@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, TINY, check_data_positions, kl_jumps, launch, rows
+from tests.helpers import ROOT, TINY, check_data_positions, end_session, kl_jumps, launch, launch_env, rows
 
 pytestmark = pytest.mark.slow
 RESUME = [*TINY, "train.format_warmstart_steps=150", "train.total_steps=8", "async.max_lag=0",
@@ -46,7 +46,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
 
     resumed = str(tmp_path / "resumed")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    env = launch_env()
     # The inference host sleeps 100 ms per decode chunk, so the SIGINT lands mid-run however fast the steps are
     # (at max_lag 0 the values do not depend on timing).
     env["ASYNCRL_FAULTS"] = "slow@decode:1:100"
@@ -73,7 +73,7 @@ def test_resume_equals_uninterrupted(tmp_path):
 @pytest.mark.parametrize("restarts", [1, 0])
 def test_inference_host_killed(tmp_path, restarts):
     run_dir = str(tmp_path / "run")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    env = launch_env()
     # 30 steps, the kill at step 3: the death must be seen mid-run (at 8 steps a loaded CI machine finished the run
     # on the surviving inference host before Ray reported the death).
     args = [*TINY, "train.total_steps=30", "checkpoint.every_n_steps=2", f"run.max_restarts={restarts}",
@@ -99,10 +99,16 @@ def test_inference_host_killed(tmp_path, restarts):
 def test_submit_to_running_cluster(tmp_path):
     ray = shutil.which("ray", path=os.path.dirname(sys.executable))
     port, dash = 6391, 8279
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
-    subprocess.run([ray, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=2",
-                    "--dashboard-host=127.0.0.1"], check=True, capture_output=True, env=env, timeout=120)
+    env = launch_env()
+    # The cluster is this test's alone: `ray start` runs in a session of its own, which every process of the
+    # cluster keeps (the head's daemons, the job's driver and hosts), and the teardown ends that session. (`ray stop
+    # --force` would end every Ray process on the machine: another test's run, under pytest-xdist.)
+    head = subprocess.Popen([ray, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=2",
+                             "--dashboard-host=127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
     try:
+        out, _ = head.communicate(timeout=120)
+        assert head.returncode == 0, out[-3000:]
         address = f"http://127.0.0.1:{dash}"
         run_dir = str(tmp_path / "job")
         res = subprocess.run([sys.executable, "launch.py", "submit", "--address", address, "--wait",
@@ -119,7 +125,11 @@ def test_submit_to_running_cluster(tmp_path):
         assert "run summary" in logs.stdout
         assert [r["step"] for r in rows(run_dir)] == [1, 2]
     finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        end_session(head.pid)
+        # What `ray stop` also does: forget the cluster, so that a later `ray.init()` does not try to join it.
+        address_file = os.path.join("/tmp", "ray", "ray_current_cluster")
+        if os.path.isfile(address_file) and open(address_file).read().strip().endswith(f":{port}"):
+            os.remove(address_file)
 
 
 def test_trainer_host_killed_at_max_lag_2_resumes_with_its_in_flight_prompts(tmp_path):
