@@ -132,22 +132,41 @@ def test_submit_to_running_cluster(tmp_path):
             os.remove(address_file)
 
 
-def test_trainer_host_killed_at_max_lag_2_resumes_with_its_in_flight_prompts(tmp_path):
+KL = [*TINY, "train.format_warmstart_steps=150", "loss.kl_coef=0.05", "eval.every_n_steps=0", "run.seed=5",
+      "logging.rollouts_every_n_steps=1", "async.queue_timeout_s=60"]
+
+
+def _resumed_at(stderr):
+    return [int(x) for x in re.findall(r"\[asyncrl\] resuming .* from checkpoint step (\d+)", stderr)]
+
+
+def _kl_goes_on(run_dir, resumed, steps):
+    """train/kl continues across the resumes without a jump at the first resumed step. Before, the resumed
+    reference was the random init: train/kl went from 0.26-0.38 to 4.52 in a run."""
+    r = rows(run_dir)
+    assert [x["step"] for x in r] == list(range(1, steps + 1))  # every step exactly once
+    kl = [x["train/kl"] for x in r]
+    assert all(np.isfinite(kl)) and max(kl) > 0
+    assert not kl_jumps(r, resumed), (kl_jumps(r, resumed), kl)
+
+
+def test_trainer_host_killed_at_max_lag_2_resumes_with_its_in_flight_prompts_and_its_kl_reference(tmp_path):
     """The stall this guards against: at max_lag > 0 a resumed trainer used to skip the prompts that were in
-    flight at its checkpoint and wait forever for groups nobody would generate."""
+    flight at its checkpoint and wait forever for groups nobody would generate. With the KL term and the format
+    warm-start on, the same run checks that a killed trainer's reference survives the restart (the stopped path:
+    `test_train_kl_goes_on_across_a_resume`); one run for both saves CI a run of its own."""
     run_dir = str(tmp_path / "run")
     # The trainer SIGKILLs itself as it starts step 13 (faults.py), so the checkpoint it resumes from is always
     # step 10. (A kill sent from the test after step 12 was seen raced the trainer on a fast CI machine: it had
     # already saved step 15.) Checkpoints are saved synchronously, so step 10's is complete when 13 starts.
-    res = launch(run_dir, *TINY, "train.total_steps=16", "async.max_lag=2", "checkpoint.every_n_steps=5",
-                 "run.max_restarts=1", "eval.every_n_steps=0", "async.queue_timeout_s=60",
-                 env_extra={"ASYNCRL_FAULTS": "kill@step:0:13"}, timeout=600)
+    res = launch(run_dir, *KL, "train.total_steps=16", "async.max_lag=2", "checkpoint.every_n_steps=5",
+                 "run.max_restarts=1", env_extra={"ASYNCRL_FAULTS": "kill@step:0:13"}, timeout=600)
     err = res.stderr
     assert res.returncode == 0, err[-4000:]
     assert "fault injection: kill at step (rank 0, step 13)" in err
     assert "host 0 (trainer)" in err and "restarting" in err
-    assert "resuming" in err and "from checkpoint step 10" in err
-    assert [r["step"] for r in rows(run_dir)] == list(range(1, 17))  # every step exactly once
+    assert _resumed_at(err) == [10], err[-3000:]
+    _kl_goes_on(run_dir, [10], 16)
 
 
 def test_stall_dumps_every_host_stack_and_fails(tmp_path):
@@ -179,38 +198,19 @@ def test_a_host_killed_during_startup_is_restarted(tmp_path):
     assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
 
 
-KL = [*TINY, "train.format_warmstart_steps=150", "loss.kl_coef=0.05", "checkpoint.every_n_steps=4",
-      "eval.every_n_steps=0", "run.seed=5", "logging.rollouts_every_n_steps=1"]
-
-
-def _resumed_at(stderr):
-    return [int(x) for x in re.findall(r"\[asyncrl\] resuming .* from checkpoint step (\d+)", stderr)]
-
-
-# Both resume paths and both lags, each once: the reference is restored by one code path whichever way the run
-# ended, and the lag only changes which groups are in flight (the full 2 x 2 grid cost CI another 2 minutes).
-@pytest.mark.parametrize(("how", "max_lag"), [("stop", 0), ("kill", 2)])
-def test_train_kl_goes_on_across_a_resume(tmp_path, how, max_lag):
-    """With the KL term and the format warm-start, a run stopped (a clean end, then rerun for more steps) or killed
-    (a trainer SIGKILL, then a restart), at max_lag 0 and 2, continues train/kl without a jump at the first resumed
-    step. Before, the resumed reference was the random init: train/kl went from 0.26-0.38 to 4.52 in a run."""
+def test_train_kl_goes_on_across_a_resume(tmp_path):
+    """With the KL term and the format warm-start, a run stopped (a clean end, then rerun for more steps) at
+    max_lag 0 continues train/kl without a jump at the first resumed step. (A killed trainer at max_lag 2: in
+    `test_trainer_host_killed_at_max_lag_2_resumes_with_its_in_flight_prompts_and_its_kl_reference`. The reference
+    is restored by one code path whichever way the run ended, and the lag only changes which groups are in flight.)"""
     run_dir = str(tmp_path / "run")
-    args = [*KL, f"async.max_lag={max_lag}", "async.queue_timeout_s=60"]
-    if how == "stop":
-        first = launch(run_dir, *args, "train.total_steps=8", timeout=600)
-        assert first.returncode == 0, first.stderr[-4000:]
-        res = launch(run_dir, *args, "train.total_steps=12", timeout=600)  # the same run dir: resumes from 8
-    else:
-        res = launch(run_dir, *args, "train.total_steps=12", "run.max_restarts=1", timeout=600,
-                     env_extra={"ASYNCRL_FAULTS": "kill@step:0:7"})  # resumes from 4
+    args = [*KL, "async.max_lag=0", "checkpoint.every_n_steps=4"]
+    first = launch(run_dir, *args, "train.total_steps=8", timeout=600)
+    assert first.returncode == 0, first.stderr[-4000:]
+    res = launch(run_dir, *args, "train.total_steps=12", timeout=600)  # the same run dir: resumes from 8
     assert res.returncode == 0, res.stderr[-4000:]
-    resumed = _resumed_at(res.stderr)
-    assert resumed == ([8] if how == "stop" else [4]), res.stderr[-3000:]
-    r = rows(run_dir)
-    assert [x["step"] for x in r] == list(range(1, 13))
-    kl = [x["train/kl"] for x in r]
-    assert all(np.isfinite(kl)) and max(kl) > 0
-    assert not kl_jumps(r, resumed), (kl_jumps(r, resumed), kl)
+    assert _resumed_at(res.stderr) == [8], res.stderr[-3000:]
+    _kl_goes_on(run_dir, [8], 12)
 
 
 def test_two_trainer_hosts_killed_at_max_lag_2_resume_exactly(tmp_path):

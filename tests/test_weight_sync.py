@@ -31,14 +31,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(n: int, tw: int, ndev: int = 2, bucket_mb: float | tuple[float, ...] = 64.0, events: str = "",
-         delay: float = 0.0, extra_env: dict | None = None) -> list[str]:
-    """`bucket_mb`: one size, or several that the same processes sync with one after the other (two syncs each)."""
+def _run(n: int, tw: int, ndev: int = 2, bucket_mb: float = 64.0, events: str = "", delay: float = 0.0,
+         extra_env: dict | None = None) -> list[str]:
     port = _port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")} | (extra_env or {})
-    sizes = ",".join(map(str, bucket_mb if isinstance(bucket_mb, tuple) else (bucket_mb,)))
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "weightsync_worker.py"), str(r), str(n), str(port),
-                               str(tw), str(ndev), sizes, events, str(delay)],
+                               str(tw), str(ndev), str(bucket_mb), events, str(delay)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for r in range(n)]
     outs = []
@@ -104,18 +102,15 @@ def test_plan_buckets_keep_a_row_larger_than_the_bucket_whole():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n,tw,ndev", [(2, 1, 1), (3, 1, 1), (4, 2, 1), (4, 1, 1), (3, 1, 2), (4, 2, 2)])
-def test_hop_chain_bit_exact(n, tw, ndev):
-    """Both bucket sizes, one after the other through the same processes (two syncs each): one process start and
-    jax.distributed join per layout instead of one per layout and size."""
-    results = _run(n, tw, ndev, (SMALLER_THAN_A_LEAF, LARGER_THAN_THE_MODEL))
-    for bucket_mb in (SMALLER_THAN_A_LEAF, LARGER_THAN_THE_MODEL):
-        synced = [r for r in results if r.split()[-1] == f"bucket_mb={bucket_mb:g}"]
-        assert len(synced) == 2 * n, results
-        assert all("ok=True" in r for r in synced), results
-        # every slot took part: slot 0 (trainers) and slots 1.. (receivers)
-        assert {r.split()[2] for r in synced} == {f"slot={s}" for s in range(n // tw)}
-        cut = bucket_mb == SMALLER_THAN_A_LEAF and n // tw > 2  # one hop (2 slots) never cuts
-        assert all(f"buckets={35 if cut else 1}" in r for r in synced), results
+@pytest.mark.parametrize("bucket_mb", [SMALLER_THAN_A_LEAF, LARGER_THAN_THE_MODEL])
+def test_hop_chain_bit_exact(n, tw, ndev, bucket_mb):
+    results = _run(n, tw, ndev, bucket_mb)
+    assert len(results) == 2 * n, results
+    assert all("ok=True" in r for r in results), results
+    # every slot took part: slot 0 (trainers) and slots 1.. (receivers)
+    assert {r.split()[2] for r in results} == {f"slot={s}" for s in range(n // tw)}
+    cut = bucket_mb == SMALLER_THAN_A_LEAF and n // tw > 2  # one hop (2 slots) never cuts
+    assert all(f"buckets={35 if cut else 1}" in r for r in results), results
 
 
 @pytest.mark.parametrize("n,freeze_a", [(2, False), (3, False), (3, True)])

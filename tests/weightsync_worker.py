@@ -4,8 +4,7 @@ import os
 import sys
 
 rank, n, port, tw, ndev = (int(a) for a in sys.argv[1:6])
-# One bucket size, or several (comma-separated): two syncs each, one size after the other, through the same chain.
-bucket_mbs = [float(x) for x in sys.argv[6].split(",")] if len(sys.argv) > 6 else [64.0]
+bucket_mb = float(sys.argv[6]) if len(sys.argv) > 6 else 64.0
 events = sys.argv[7] if len(sys.argv) > 7 else ""  # a file shared by every process: one O_APPEND line per event
 delay = float(sys.argv[8]) if len(sys.argv) > 8 else 0.0
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
@@ -37,7 +36,7 @@ def log_event(kind, bucket, hop):
         os.close(fd)
 
 
-hc = HopChainTransfer(tw, bucket_mb=bucket_mbs[0])
+hc = HopChainTransfer(tw, bucket_mb=bucket_mb)
 lora_mode = os.environ.get("WS_LORA") in ("1", "freeze_a")
 if lora_mode:  # LoRA's payloads (Trainer.sync_payload): the base and the adapters, then the adapters alone (B alone
     # with A frozen: the receiver merges round 0's A with round 1's B)
@@ -58,9 +57,7 @@ if lora_mode:  # LoRA's payloads (Trainer.sync_payload): the base and the adapte
         return out
 else:
     make = lambda k, full: params_lib.cast(params_lib.init_params(model.cfg, k, jnp.float32), jnp.bfloat16)  # noqa: E731
-# Two syncs a bucket size: the second reuses the compiled hops and must deliver the new values.
-for bucket_mb, round_ in [(mb, r) for mb in bucket_mbs for r in range(2)]:
-    hc.bucket_bytes = int(bucket_mb * 1e6)
+for round_ in range(2):  # two syncs: the second reuses the compiled hops and must deliver the new values
     if round_ == 1 and events:  # the event-order test watches the second sync, its connections already open
         hc.hop_delay_s, hc.on_event = delay, log_event
     key = jax.random.PRNGKey(round_)
@@ -73,7 +70,7 @@ for bucket_mb, round_ in [(mb, r) for mb in bucket_mbs for r in range(2)]:
         out, t = hc.transfer(None, shapes)
     if hc.slot == 0:  # the trainers keep their own copy; the chain returns nothing to them
         print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={out is None} bytes={int(t['weight_sync_bytes'])} "
-              f"buckets={int(t['weight_sync_buckets'])} bucket_mb={bucket_mb:g}", flush=True)
+              f"buckets={int(t['weight_sync_buckets'])}", flush=True)
         continue
     expected = jax.device_get(jax.jit(init, device=jax.local_devices()[0])(key))  # same values, computed locally
     ok = True
@@ -94,4 +91,4 @@ for bucket_mb, round_ in [(mb, r) for mb in bucket_mbs for r in range(2)]:
             ok &= np.array_equal(np.asarray(got.addressable_shards[0].data).view(np.uint8),
                                  np.asarray(want).view(np.uint8))
     print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={bool(ok)} bytes={int(t['weight_sync_bytes'])} "
-          f"buckets={int(t['weight_sync_buckets'])} bucket_mb={bucket_mb:g}", flush=True)
+          f"buckets={int(t['weight_sync_buckets'])}", flush=True)
