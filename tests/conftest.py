@@ -13,19 +13,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: heavy test (real model, multi-process); deselect with -m 'not slow'")
 
 
-# The modules whose tests start local Ray clusters (launch.py runs, ray.init). Under pytest-xdist one worker runs
-# them all, one at a time: test_orchestration_e2e asserts that every Ray process its run started is gone
-# afterwards, and would count another worker's; and two multi-process runs at once would ask more of CI's two cores
-# than they have.
+# The default-suite modules whose tests start local Ray clusters (launch.py runs, ray.init). Under `-n 2 --dist
+# loadfile` one worker runs them all, one at a time: test_orchestration_e2e asserts that every Ray process its run
+# started is gone afterwards, and would count another worker's.
 RAY_MODULES = {"test_failures.py", "test_lora_run.py", "test_orchestration_e2e.py", "test_own_environment.py"}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`pytest -n 2` (.ci/run): each module is one unit of work, so that its module fixtures are built, and the
-    programs its tests share compiled, in one worker only; the Ray modules are one unit together. (xdist's own
-    `--dist loadgroup` cannot express this under pytest 9: it renames `item._nodeid`, which pytest 9 no longer
-    reads.)"""
+    """`pytest -n 2 --dist loadfile` (.ci/run's default suite): each module is one unit of work, as xdist's loadfile
+    makes it, so that its module fixtures are built, and the programs its tests share compiled, in one worker only;
+    and the Ray modules are one unit together. (xdist's `--dist loadgroup` cannot express this under pytest 9: it
+    renames `item._nodeid`, which pytest 9 no longer reads.) Any other `--dist` is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,10 +103,16 @@ def test_submit_to_running_cluster(tmp_path):
     env = launch_env()
     # The cluster is this test's alone: `ray start` runs in a session of its own, which every process of the
     # cluster keeps (the head's daemons, the job's driver and hosts), and the teardown ends that session. (`ray stop
-    # --force` would end every Ray process on the machine: another test's run, under pytest-xdist.)
+    # --force` would end every Ray process on the machine: another test's run, under pytest-xdist.) Its dashboard
+    # agent, which takes the job, listens on a free port: while another cluster's agent held Ray's default (52365),
+    # this one failed to bind and the submit gave up ("No available agent to submit job").
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        agent_port = s.getsockname()[1]
     head = subprocess.Popen([ray, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=2",
-                             "--dashboard-host=127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+                             "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent_port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     try:
         out, _ = head.communicate(timeout=120)
         assert head.returncode == 0, out[-3000:]
