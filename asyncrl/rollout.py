@@ -90,6 +90,9 @@ class Completion:
     turn_texts: list[str] = field(default_factory=list)
     env_s: float = 0.0  # seconds spent in environment steps
     env_info: list[dict] = field(default_factory=list)  # each environment step's non-empty `StepResult.info`
+    routes: np.ndarray | None = None  # [n, Lm, k] int8 (int16 past 127 experts): each token's experts at each MoE
+    #                                   layer as the sampler routed it (train.moe.router_replay), -1 where the
+    #                                   trainer's router chooses (forced and observation tokens); None: not recorded
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -98,7 +101,7 @@ class Completion:
                 f"completion arrays disagree: tokens={n} logprobs={len(self.logprobs)} "
                 f"forced={len(self.forced)} versions={len(self.versions)}"
             )
-        for name in ("turns", "observation"):
+        for name in ("turns", "observation", "routes"):
             a = getattr(self, name)
             if a is not None and len(a) != n:
                 raise ValueError(f"completion arrays disagree: tokens={n} {name}={len(a)}")
