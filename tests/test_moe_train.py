@@ -77,7 +77,7 @@ def test_recorded_routes_reach_the_trainer_and_replay_makes_its_routing_the_samp
     recorded = ids[..., 0, 0] >= 0  # [B, T]
     fed = np.zeros_like(recorded)
     after = np.zeros_like(recorded)
-    for b, (r, c) in enumerate((r, c) for r in out for c in r.completions):
+    for b, (r, c) in enumerate((g, c) for g in out for c in g.completions):
         p, n = len(r.prompt_tokens), len(c.tokens)
         assert c.routes.shape == (n, Lm, k) and c.routes.nbytes == n * Lm * k * 1  # 1 byte an id (E <= 127)
         fed[b, p:p + n - 1] = ~c.forced[:-1]  # every sampled token but the last is fed back, and recorded
@@ -87,8 +87,8 @@ def test_recorded_routes_reach_the_trainer_and_replay_makes_its_routing_the_samp
     assert after.sum() >= 10 and (recorded & ~after).sum() >= 10, "tokens on both sides of the update"
 
     tokens, lens = jnp.asarray(batch.tokens), jnp.asarray(batch.seq_lens)
-    _, _, own = MODEL.apply_routed(params, tokens, lens, apply_lm_head=False)
-    _, _, replayed = MODEL.apply_routed(params, tokens, lens, apply_lm_head=False, expert_ids=jnp.asarray(ids))
+    routing = jax.jit(lambda p, t, n, i=None: MODEL.apply_routed(p, t, n, apply_lm_head=False, expert_ids=i)[2])
+    own, replayed = routing(params, tokens, lens), routing(params, tokens, lens, jnp.asarray(ids))
     same = lambda a, b, m: np.all(np.sort(np.asarray(a), -1)[m] == np.sort(b, -1)[m], axis=-1)  # noqa: E731  [N, Lm]
     # The same weights route the same, up to the exact tie, which the decode step's kernels and the full forward
     # break differently at a few tokens: the record sits at its tokens.
@@ -106,11 +106,13 @@ def test_replayed_logprobs_equal_the_samplers_in_the_policy_and_proximal_passes(
     mask = batch.loss_mask[:, 1:]
     want = batch.sampler_logprobs[:, 1:]
     tokens, lens, ids = jnp.asarray(batch.tokens), jnp.asarray(batch.seq_lens), jnp.asarray(batch.expert_ids)
-    lp, _ = token_logprobs(MODEL, params, tokens, lens, 1.0, CHUNK, ids)
+    policy = jax.jit(lambda p, t, n, i=None: token_logprobs(MODEL, p, t, n, 1.0, CHUNK, i)[0])
+    lp = policy(params, tokens, lens, ids)
     np.testing.assert_allclose(np.asarray(lp)[mask], want[mask], atol=1e-4)
-    prox = frozen_logprobs(MODEL, params, jax.tree.map(jnp.asarray, batch), 1, 1, 1.0, CHUNK)[0, 0]
+    prox = jax.jit(lambda p, b: frozen_logprobs(MODEL, p, b, 1, 1, 1.0, CHUNK))(params, jax.tree.map(jnp.asarray,
+                                                                                                      batch))[0, 0]
     np.testing.assert_allclose(np.asarray(prox)[mask], want[mask], atol=1e-4)
-    free, _ = token_logprobs(MODEL, params, tokens, lens, 1.0, CHUNK)
+    free = policy(params, tokens, lens)
     gap = np.abs(np.asarray(free)[mask] - want[mask])
     print(f"|trainer - sampler| logprob: replay max {np.abs(np.asarray(lp)[mask] - want[mask]).max():.1e}, "
           f"without max {gap.max():.3f} mean {gap.mean():.4f}")
@@ -118,11 +120,10 @@ def test_replayed_logprobs_equal_the_samplers_in_the_policy_and_proximal_passes(
 
 
 def test_train_step_replays_and_logs_the_load_balancing_loss(sampled):
-    """The trainer's step on the batch: two updates (a proximal pass), replay and aux_coef on; the step logs the
-    aux loss and the experts' load. A replay trainer refuses a batch without routes, naming the field."""
+    """The trainer's step on the batch, replay and aux_coef on: it logs the aux loss and the experts' load. A replay
+    trainer refuses a batch without routes, naming the field."""
     params, _, batch = sampled
-    train = TrainConfig(train_batch_size=4, updates_per_step=2, lr=1e-4, moe=MoeConfig(router_replay=True,
-                                                                                       aux_coef=0.01))
+    train = TrainConfig(train_batch_size=4, lr=1e-4, moe=MoeConfig(router_replay=True, aux_coef=0.01))
     trainer = Trainer(MODEL, train, LOSS, ShardingConfig(), devices=jax.devices()[:1])
     trainer.load(params)
     m = trainer.step(batch)
