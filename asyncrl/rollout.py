@@ -7,7 +7,8 @@ token out). Neutral ground: inference produces them and train consumes them, and
 - `Completion`: one sampled completion. Raw sampled ids, sampler logprobs, a mask of tokens the engine forced
   (EOS at the length limit, the reasoning-budget phrase) so the loss can leave them out, and the weight version
   in force when each token was sampled, so staleness is known per token and not only per sample; and the version
-  that computed the prompt's cache, which the lag counts too.
+  that computed the prompt's cache, which the lag counts too. With router replay (train.moe.router_replay), the
+  experts each token was routed to at each MoE layer, which the trainer replays.
 - `Rollout`: a prompt and its group of completions.
 - `Environment`: what a completion is sampled in. It opens the episode (the prompt's token ids), then answers each
   model `Turn` with a `StepResult`: an observation to append (token ids), a reward, done. A single-turn task is a
