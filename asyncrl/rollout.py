@@ -7,7 +7,8 @@ token out). Neutral ground: inference produces them and train consumes them, and
 - `Completion`: one sampled completion. Raw sampled ids, sampler logprobs, a mask of tokens the engine forced
   (EOS at the length limit, the reasoning-budget phrase) so the loss can leave them out, and the weight version
   in force when each token was sampled, so staleness is known per token and not only per sample; and the version
-  that computed the prompt's cache, which the lag counts too.
+  that computed the prompt's cache, which the lag counts too. With router replay (train.moe.router_replay), the
+  experts each token was routed to at each MoE layer, which the trainer replays.
 - `Rollout`: a prompt and its group of completions.
 - `Environment`: what a completion is sampled in. It opens the episode (the prompt's token ids), then answers each
   model `Turn` with a `StepResult`: an observation to append (token ids), a reward, done. A single-turn task is a
@@ -90,6 +91,9 @@ class Completion:
     turn_texts: list[str] = field(default_factory=list)
     env_s: float = 0.0  # seconds spent in environment steps
     env_info: list[dict] = field(default_factory=list)  # each environment step's non-empty `StepResult.info`
+    routes: np.ndarray | None = None  # [n, Lm, k] int8 (int16 past 127 experts): each token's experts at each MoE
+    #                                   layer as the sampler routed it (train.moe.router_replay), -1 where the
+    #                                   trainer's router chooses (forced and observation tokens); None: not recorded
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -98,7 +102,7 @@ class Completion:
                 f"completion arrays disagree: tokens={n} logprobs={len(self.logprobs)} "
                 f"forced={len(self.forced)} versions={len(self.versions)}"
             )
-        for name in ("turns", "observation"):
+        for name in ("turns", "observation", "routes"):
             a = getattr(self, name)
             if a is not None and len(a) != n:
                 raise ValueError(f"completion arrays disagree: tokens={n} {name}={len(a)}")

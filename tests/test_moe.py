@@ -113,6 +113,30 @@ def test_round_trip_through_transformers(hf_pair, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_load_balancing_loss_equals_transformers(hf_pair):
+    """train.moe.aux_coef's loss (`moe.load_sums` per MoE layer, `moe.load_balancing_loss`) is transformers'
+    `load_balancing_loss_func` over the same router logits, right padding masked (its attention_mask)."""
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    kind, _, hf, model, params = hf_pair
+    c = model.cfg
+    toks, lens = ragged_batch(c.vocab_size, LENS, width=24)
+    mask = np.arange(24)[None, :] < np.asarray(lens)[:, None]
+    with torch.no_grad():
+        out = hf(torch.as_tensor(toks, dtype=torch.long), attention_mask=torch.as_tensor(mask, dtype=torch.long),
+                 output_router_logits=True)
+    want = float(load_balancing_loss_func(out.router_logits, c.num_experts, c.num_experts_per_tok,
+                                          torch.as_tensor(mask, dtype=torch.long)))
+    _, _, (ids, sums) = model.apply_routed(params, jnp.asarray(toks), jnp.asarray(lens), load_mask=jnp.asarray(mask))
+    got, load = moe.load_balancing_loss(sums, jnp.sum(jnp.asarray(mask)).astype(jnp.float32), c.num_experts_per_tok)
+    print(f"{kind}: aux loss ours {float(got):.6f}, transformers {want:.6f}")
+    assert abs(float(got) - want) <= 1e-5 and want > c.num_experts_per_tok  # above k: this router is not uniform
+    np.testing.assert_allclose(float(jnp.sum(load)), 1.0, atol=1e-6)
+    counts = np.bincount(np.asarray(ids)[mask].reshape(-1), minlength=c.num_experts)  # the load is the ids' share
+    np.testing.assert_allclose(np.asarray(load), counts / counts.sum(), atol=1e-6)
+
+
 def test_sharded_safetensors_load_on_expert_mesh(hf_pair, tmp_path):
     """A sharded export reads straight onto an expert-parallel layout: each device holds its own experts."""
     _, _, _, model, params = hf_pair

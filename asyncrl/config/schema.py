@@ -76,7 +76,8 @@ class Config:
     def inference_role(self) -> InferenceRoleConfig:
         return InferenceRoleConfig(
             model=self.model, inference=self.inference, task=self.task, tools=self.tools, async_=self.async_,
-            weightsync=self.weightsync, lora=self.train.lora, seed=self.run.seed, eval_prompts=self.eval.num_prompts)
+            weightsync=self.weightsync, lora=self.train.lora, seed=self.run.seed, eval_prompts=self.eval.num_prompts,
+            moe=self.train.moe)
 
     def host_config(self) -> HostConfig:
         return HostConfig(train_workers=self.async_.train_workers, log_level=self.logging.level,

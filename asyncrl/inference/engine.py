@@ -94,13 +94,15 @@ class Engine:
         name: str = "replica0",
         substitute: str = "auto",
         stop: Sequence[Sequence[int]] = (),
+        record_routes: bool = False,
     ):
         """`stop`: token sequences that end a model turn like EOS does (a tool call's closing tag); the sequence's
-        tokens stay in the completion as sampled."""
+        tokens stay in the completion as sampled. `record_routes` (train.moe.router_replay, a MoE model): each
+        completion carries its tokens' experts (`Completion.routes`)."""
         self.cfg, self.tokenizer, self.name = cfg, tokenizer, name
         self.eos_id = eos_id if eos_id is not None else tokenizer.eos_id  # type: ignore[union-attr]
         self.pad_id = tokenizer.pad_id if tokenizer is not None else pad_id
-        self.layout = lay = Layout(model, cfg, mesh, self.pad_id)
+        self.layout = lay = Layout(model, cfg, mesh, self.pad_id, record_routes)
         self.model, self.mesh, self.cpu = lay.model, mesh, lay.cpu
         self.S, self.B, self.P, self.Q, self.F = lay.S, lay.B, lay.P, lay.Q, lay.F
         phrase = think_phrase(tokenizer, cfg.think_phrase, cfg.reasoning_budget) \

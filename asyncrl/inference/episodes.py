@@ -36,6 +36,7 @@ class Part:
     versions: np.ndarray | None  # None: an observation whose decode row has not come back yet (`Episode.add_turn`)
     turn: int
     observation: bool
+    routes: np.ndarray | None = None  # [n, Lm, k] recorded experts (router replay); None: an observation, or none
 
 
 @dataclass
@@ -61,7 +62,8 @@ class Episode:
         return self.prompt_len + sum(len(p.tokens) for p in self.parts)
 
     def add_turn(self, tokens: np.ndarray, logprobs: np.ndarray, forced: np.ndarray, versions: np.ndarray,
-                 text: str, finish: str, ended_thinking: bool, context_versions: np.ndarray) -> None:
+                 text: str, finish: str, ended_thinking: bool, context_versions: np.ndarray,
+                 routes: np.ndarray | None = None) -> None:
         """A model turn, as its decode row came back. `context_versions`: the row's versions before the turn (its
         prompt, or the history and the observation just fed): the first turn's give the prompt's version, a later
         one's the versions of the observation before it, the weights that took it in (an extend's or a prefill's,
@@ -71,7 +73,7 @@ class Episode:
         elif self.parts and self.parts[-1].versions is None:
             obs = self.parts[-1]
             obs.versions = np.asarray(context_versions[len(context_versions) - len(obs.tokens):], np.int32)
-        self.parts.append(Part(tokens, logprobs, forced, versions, self.turn, False))
+        self.parts.append(Part(tokens, logprobs, forced, versions, self.turn, False, routes))
         self.texts.append(text)
         self.finish, self.ended_thinking = finish, ended_thinking
         self.turn += 1
@@ -102,12 +104,22 @@ class Episode:
         obs = np.concatenate([np.full(len(p.tokens), p.observation) for p in self.parts]) if self.parts \
             else np.zeros(0, bool)
         return Completion(
+            routes=self._routes(),
             tokens=cat("tokens", np.int32), logprobs=cat("logprobs", np.float32), forced=cat("forced", bool),
             versions=cat("versions", np.int32), prompt_version=self.prompt_version,
             text=self.texts[-1] if self.texts else "", finish_reason=self.finish, ended_thinking=self.ended_thinking,
             reward=self.reward, reason=self.reason, turns=turns, observation=obs, end_reason=self.end_reason,
             turn_texts=list(self.texts), env_s=self.env_s, env_info=[dict(i) for i in self.env_info],
         )
+
+    def _routes(self) -> np.ndarray | None:
+        """[n, Lm, k] over every part (observations: -1), if the turns recorded routes."""
+        turns = [p.routes for p in self.parts if p.routes is not None]
+        if not turns:
+            return None
+        full = lambda p: p.routes if p.routes is not None else np.full(  # noqa: E731
+            (len(p.tokens), *turns[0].shape[1:]), -1, turns[0].dtype)
+        return np.concatenate([full(p) for p in self.parts])
 
 
 @dataclass

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.state import DecodeState
-from asyncrl.models import dense, kvcache
+from asyncrl.models import dense, kvcache, moe
 from asyncrl.models.config import ModelConfig
 from asyncrl.models.kvcache import KVCache
 from asyncrl.models.tokenizer import bucket_length
@@ -41,8 +41,16 @@ class Layout:
     and an extend costs a weight read plus its computed tokens, padding included (`benchmarks/extend_cost.py`, 8
     layers x 512 on a CPU: 8.1 ms + 0.31 ms a token), so every padded column costs what a real one does."""
 
-    def __init__(self, model: Model, cfg: InferenceConfig, mesh: Mesh | None, pad_id: int):
+    def __init__(self, model: Model, cfg: InferenceConfig, mesh: Mesh | None, pad_id: int,
+                 record_routes: bool = False):
+        """`record_routes` (train.moe.router_replay, a MoE model): the decode state records each fed model token's
+        experts (`DecodeState.routes`, Lm*k ids a position)."""
         self.cfg, self.mesh, self.pad_id = cfg, mesh, pad_id
+        mc = model.cfg
+        self.route_width = len(mc.sparse_layers) * mc.num_experts_per_tok if record_routes and mc.is_moe else 0
+        self.route_dtype = moe.route_dtype(mc) if self.route_width else None
+        self.routes = ((len(mc.sparse_layers), mc.num_experts_per_tok), self.route_dtype) if self.route_width else None
+        """What a finished row's routes unpack to on the host (`state.unpack_row`), or None."""
         self.S = cfg.max_seq_len
         self.B = cfg.max_decode_batch_size
         self.P = cfg.max_prefill_prompts
@@ -82,7 +90,7 @@ class Layout:
         return DecodeState(
             next_token=ns(b), kv=kv, key=ns(), row_key=ns(b, None), tokens=ns(b, None), logprobs=ns(b, None),
             forced=ns(b, None), versions=ns(b, None), prompt_len=ns(b), limit=ns(b), slot=ns(b), active=ns(b),
-            stop=ns(b), end_of_think=ns(b), steps=ns(),
+            stop=ns(b), end_of_think=ns(b), steps=ns(), routes=ns(b, None, None) if self.route_width else None,
         )
 
     def park_shardings(self) -> KVCache | None:
@@ -109,6 +117,7 @@ class Layout:
             stop=jnp.zeros((rows,), jnp.bool_),
             end_of_think=jnp.zeros((rows,), jnp.bool_),
             steps=jnp.zeros((), jnp.int32),
+            routes=jnp.full((rows, self.S, self.route_width), -1, self.route_dtype) if self.route_width else None,
         )
         sh = self.state_shardings(rows, split_rows) if self.mesh is not None else None
         if sh is not None:  # created directly in the target layout (no replicated intermediate)

@@ -81,7 +81,11 @@ class DecodePrograms:
         cfg = self.cfg
         live = s.active & ~s.stop
         with jax.named_scope("fwd_pass"):
-            logits, kv = self.model.apply(params, s.next_token[:, None], live.astype(jnp.int32), s.kv)
+            if s.routes is None:
+                logits, kv = self.model.apply(params, s.next_token[:, None], live.astype(jnp.int32), s.kv)
+            else:
+                logits, kv, ids = self.model.apply_routed(params, s.next_token[:, None], live.astype(jnp.int32),
+                                                          s.kv)  # ids [B, 1, Lm, k]
         index = s.kv.length + 1  # where the new token goes (the fed token sits at kv.length)
         with jax.named_scope("sampling"):
             keys = jax.vmap(jax.random.fold_in)(s.row_key, index)
@@ -112,6 +116,7 @@ class DecodePrograms:
         # Dead rows match no position and keep their outputs.
         at = (jnp.arange(self.S)[None, :] == index[:, None]) & live[:, None]  # [B, S]
         put = lambda old, new: jnp.where(at, new[:, None].astype(old.dtype), old)  # noqa: E731
+        routes = None if s.routes is None else self._record(s, ids, live)
         return DecodeState(
             next_token=jnp.where(live, tok, s.next_token),
             kv=kv,
@@ -128,7 +133,21 @@ class DecodePrograms:
             stop=s.stop | (live & stop_now),
             end_of_think=jnp.where(live, eot, s.end_of_think),
             steps=s.steps + 1,
+            routes=routes,
         )
+
+    def _record(self, s: DecodeState, ids: jax.Array, live: jax.Array) -> jax.Array:
+        """`s.routes` with the fed token's experts written at its position (kv.length) where it is a model token:
+        at or past the row's prompt_len and not forced. Prompt, observation (a continuation's feed sits below its
+        prompt_len) and forced tokens keep -1: the trainer's router chooses there. So does a multi-turn episode's
+        turn-ending token, which the next turn feeds below its prompt_len (left unreplayed)."""
+        pos = s.kv.length  # [B]
+        forced = jnp.take_along_axis(s.forced, jnp.clip(pos, 0, self.S - 1)[:, None], axis=1)[:, 0]
+        model_token = live & (pos >= s.prompt_len) & ~forced
+        new = jnp.where(model_token[:, None], ids.reshape(ids.shape[0], -1), -1).astype(s.routes.dtype)  # [B, Lm*k]
+        # One row's [Lm*k] at one position each: a batched dynamic-update-slice, not a [B, S, Lm*k] select.
+        put = lambda r, v, p: jax.lax.dynamic_update_slice_in_dim(r, v[None], p, axis=0)  # noqa: E731
+        return jax.vmap(put)(s.routes, new, jnp.clip(pos, 0, self.S - 1))
 
     def _stop_hit(self, s: DecodeState, tok: jax.Array, index: jax.Array) -> jax.Array:
         """[B] bool: the token just sampled at `index` completes one of the stop sequences, all of whose tokens lie
@@ -194,6 +213,7 @@ class DecodePrograms:
             prompt_len=take(s.prompt_len), length=length, slot=jnp.where(any_done, take(s.slot), -1),
             hit_length=take(s.forced)[jnp.clip(length - 1, 0, self.S - 1)], steps=s.steps - steps0,
             end_of_think=take(s.end_of_think), inserted=inserted, row=row,
+            routes=None if s.routes is None else take(s.routes),
         )
         with jax.named_scope("sub_next_batch"):
             s = jax.lax.cond(

@@ -62,8 +62,10 @@ class ReplicaSet:
         name: str = "host",
         substitute: str = "auto",
         stop: Sequence[Sequence[int]] = (),
+        record_routes: bool = False,
     ):
-        """`stop`: token sequences that end a model turn besides EOS (named by the run's environments)."""
+        """`stop`: token sequences that end a model turn besides EOS (named by the run's environments).
+        `record_routes`: train.moe.router_replay (`Engine`)."""
         self.cfg = cfg
         devices = list(devices) if devices is not None else jax.local_devices()
         self.engines: list[Engine] = []
@@ -75,12 +77,14 @@ class ReplicaSet:
                     f"inference.max_decode_batch_size={cfg.max_decode_batch_size} must divide over dp={dp}")
             m = model.with_rules(tensor_parallel_rules("tp", data_axis="dp"))
             self.engines.append(Engine(m, params, cfg, tokenizer, eos_id=eos_id, mesh=mesh, seed=seed, version=version,
-                                       name=f"{name}/spmd", substitute=substitute, stop=stop))
+                                       name=f"{name}/spmd", substitute=substitute, stop=stop,
+                                       record_routes=record_routes))
         else:
             for i, mesh in enumerate(replica_meshes(devices, cfg.tp)):
                 m = model.with_rules(tensor_parallel_rules("tp"))
                 self.engines.append(Engine(m, params, cfg, tokenizer, eos_id=eos_id, mesh=mesh, seed=seed,
-                                           version=version, name=f"{name}/r{i}", stop=stop))
+                                           version=version, name=f"{name}/r{i}", stop=stop,
+                                           record_routes=record_routes))
 
     def __len__(self) -> int:
         return len(self.engines)

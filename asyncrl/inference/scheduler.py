@@ -101,7 +101,8 @@ class Scheduler:
         self.state, packed = lay.run(self.programs.decode, *scalars, device=(params, self.state, source, park_kv))
         # Waiting for the row waits for the device to finish the chunk, so decode_time (and the
         # decode_tokens_per_s metric built on it) is device time, and `between_loops` runs on executed work.
-        row = unpack_row(np.asarray(jax.device_get(packed)))
+        row = unpack_row(np.asarray(jax.device_get(packed)), lay.S,
+                         lay.routes)
         inserted, steps = bool(row.inserted), int(row.steps)
         dt = time.perf_counter() - t0
         stats.decode_time += dt

@@ -34,6 +34,9 @@ class DecodeState:
     stop: Any  # [B] bool: row finished (EOS or length) and awaits extraction
     end_of_think: Any  # [B] bool
     steps: Any  # [] int32: decode steps run so far (metrics)
+    # [B, S, Lm*k] int8/int16 (train.moe.router_replay): the experts each fed model token was routed to at each MoE
+    # layer, -1 elsewhere (prompt, observation and forced tokens, and the last token, never fed); None: not recorded
+    routes: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -53,6 +56,7 @@ class FinishedRow:
     steps: Any  # [] decode steps this call ran
     inserted: Any  # [] bool: the queued sample went into a row (False when the chunk ended with every row live)
     row: Any  # [] the decode row it was taken from (a multi-turn engine parks that row's cache)
+    routes: Any = None  # [S, Lm*k] (`DecodeState.routes`), or None
 
 
 _SCALARS = ("prompt_len", "length", "slot", "hit_length", "end_of_think", "steps", "inserted", "row")
@@ -61,21 +65,32 @@ _SCALARS = ("prompt_len", "length", "slot", "hit_length", "end_of_think", "steps
 def pack_row(f: FinishedRow) -> jax.Array:
     """The row as one int32 vector [4 S + 8] (logprobs bit-cast), so that the host takes it in one transfer: the
     decode loop hands one over per call, and its twelve leaves fetched one by one cost 0.33 ms a call against 0.04
-    ms packed (a 2-core CPU; a multi-turn engine makes about one call per decode step)."""
+    ms packed (a 2-core CPU; a multi-turn engine makes about one call per decode step). Recorded routes follow,
+    their int8/int16 ids bit-cast four or two to an int32 (S Lm k bytes, not 4 S Lm k)."""
     vec = lambda x: jnp.reshape(x, (-1,)).astype(jnp.int32)  # noqa: E731
+    routes = []
+    if f.routes is not None:
+        r = jnp.reshape(f.routes, (-1,))
+        per = 4 // r.dtype.itemsize
+        r = jnp.pad(r, (0, -r.shape[0] % per), constant_values=-1)
+        routes = [jax.lax.bitcast_convert_type(jnp.reshape(r, (-1, per)), jnp.int32)]
     return jnp.concatenate([vec(f.tokens), jax.lax.bitcast_convert_type(f.logprobs.astype(jnp.float32), jnp.int32),
-                            vec(f.forced), vec(f.versions)] + [vec(getattr(f, n)) for n in _SCALARS])
+                            vec(f.forced), vec(f.versions)] + [vec(getattr(f, n)) for n in _SCALARS] + routes)
 
 
-def unpack_row(a: np.ndarray) -> FinishedRow:
-    """`pack_row`'s vector, on the host, back into a FinishedRow of numpy values."""
-    S = (a.shape[0] - len(_SCALARS)) // 4
+def unpack_row(a: np.ndarray, S: int, routes: tuple[tuple[int, int], Any] | None = None) -> FinishedRow:
+    """`pack_row`'s vector of a row of S positions, on the host, back into a FinishedRow of numpy values; `routes`
+    ((Lm, k), dtype): the row carries recorded routes, returned as [S, Lm, k]."""
     part = lambda i: a[i * S:(i + 1) * S]  # noqa: E731
-    tail = a[4 * S:]
+    tail = a[4 * S:4 * S + len(_SCALARS)]
     flags = {"hit_length", "end_of_think", "inserted"}
     scalars = {n: (np.bool_(tail[i]) if n in flags else np.int32(tail[i])) for i, n in enumerate(_SCALARS)}
+    ids = None
+    if routes is not None:
+        (lm, k), dtype = routes
+        ids = np.ascontiguousarray(a[4 * S + len(_SCALARS):]).view(np.dtype(dtype))[:S * lm * k].reshape(S, lm, k)
     return FinishedRow(tokens=part(0), logprobs=part(1).view(np.float32), forced=part(2).astype(bool),
-                       versions=part(3), **scalars)
+                       versions=part(3), routes=ids, **scalars)
 
 
 def _row_update(dst: jax.Array, src_row: jax.Array, row: jax.Array, axis: int) -> jax.Array:
@@ -113,6 +128,7 @@ def insert_row(state: DecodeState, prefill: DecodeState, p: jax.Array, row: jax.
         stop=_row_update(state.stop, one(False, jnp.bool_), row, 0),
         end_of_think=mv(state.end_of_think, prefill.end_of_think),
         steps=state.steps,
+        routes=None if state.routes is None else mv(state.routes, prefill.routes),
     )
 
 

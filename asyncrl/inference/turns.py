@@ -65,7 +65,7 @@ class EpisodeDriver:
         finish = "length" if bool(r.hit_length) else ("stop" if self._ends_with_stop(toks) else "eos")
         ep.add_turn(toks, np.asarray(r.logprobs[pl:n], np.float32), np.asarray(r.forced[pl:n], bool),
                     np.asarray(r.versions[pl:n], np.int32), text, finish, bool(r.end_of_think),
-                    context_versions=r.versions[:pl])
+                    context_versions=r.versions[:pl], routes=None if r.routes is None else r.routes[pl:n])
         self.stats.finished += 1
         self.stats.generated_tokens += len(toks)
         if ep.env is None:

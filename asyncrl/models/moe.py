@@ -121,6 +121,38 @@ def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig,
         return jax.shard_map(shard, in_specs=specs, out_specs=(x_spec, ids_spec))(*args)
 
 
+def route_dtype(cfg: ModelConfig) -> Any:
+    """The dtype of a recorded routing (router replay): int8 up to 127 experts, else int16, so a token's record is
+    Lm x k x 1 or 2 bytes (Qwen3-30B-A3B: 48 x 8 x 1 = 384 bytes a token; -1 marks "route freely")."""
+    return jnp.int8 if cfg.num_experts <= 127 else jnp.int16
+
+
+def load_sums(x: jax.Array, router: jax.Array, ids: jax.Array, mask: jax.Array) -> jax.Array:
+    """One MoE layer's load over the tokens in `mask` [B, T]: [2, E] fp32, row 0 the assignments each expert got
+    (ids [B, T, k], the experts used), row 1 the sum of its router probability (softmax over all E in fp32, as
+    `route`). The load-balancing loss (`load_balancing_loss`) reads them summed over layers and micro-batches.
+    The router matmul is done again here, outside the experts' shard_map: [N, D] x [D, E] is ~1/(3 k I / E) of
+    the layer's expert FLOPs (under 1% for Qwen3-30B-A3B)."""
+    E = router.shape[-1]
+    probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, router).astype(jnp.float32), axis=-1)  # [B, T, E]
+    m = mask.astype(jnp.float32)[..., None]
+    counts = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.float32), axis=2)  # [B, T, E]
+    return jnp.stack([jnp.sum(counts * m, axis=(0, 1)), jnp.sum(probs * m, axis=(0, 1))])
+
+
+def load_balancing_loss(sums: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """sums [Lm, 2, E] (`load_sums` of every MoE layer), tokens: the masked token count -> (loss, load [E]).
+
+    transformers' `load_balancing_loss_func`: every layer's tokens pooled, f_e the fraction of (token, slot) pairs
+    per expert summed over the k slots, P_e the mean router probability, loss = E * sum_e f_e P_e (k at a uniform
+    router and load, more as either concentrates). `load` is each expert's share of the
+    assignments (sums to 1; 1/E when balanced)."""
+    E = sums.shape[-1]
+    total = jnp.sum(sums, axis=0)  # [2, E]
+    n = jnp.maximum(sums.shape[0] * tokens, 1.0)  # layer-tokens pooled
+    return E * jnp.sum((total[0] / n) * (total[1] / n)), total[0] / (n * k)
+
+
 def layer_order(params: Params, cfg: ModelConfig) -> Params:
     """A MoE model with dense-MLP layers -> its layers one by one in model order (a tuple of per-layer
     LayerParams, which the forward runs as a Python loop: `params.unstack_layers`); any other model unchanged."""

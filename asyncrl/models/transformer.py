@@ -144,23 +144,19 @@ class Model:
 
     # ---- forward --------------------------------------------------------------------------------------------
 
-    def apply(
-        self,
-        params: Params,
-        x: jax.Array,
-        sequence_lens: jax.Array,
-        kv_cache: KVCache | None = None,
-        apply_lm_head: bool = True,
-    ) -> tuple[jax.Array, KVCache | None]:
+    def apply(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None = None,
+              apply_lm_head: bool = True) -> tuple[jax.Array, KVCache | None]:
         """x: [B, T] int, sequence_lens: [B]. Returns (logits [B, T, V] fp32 or hidden [B, T, D], new cache)."""
         return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, attend_cache=True)[:2]
 
     def apply_routed(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None = None,
-                     apply_lm_head: bool = True, expert_ids: jax.Array | None = None
-                     ) -> tuple[jax.Array, KVCache | None, jax.Array | None]:
+                     apply_lm_head: bool = True, expert_ids: jax.Array | None = None, load_mask: jax.Array | None = None
+                     ) -> tuple[jax.Array, KVCache | None, Any]:
         """`apply`, and a MoE model's routing: expert ids [B, T, Lm, k] int32 at its Lm MoE layers (None if dense).
-        `expert_ids` [B, T, Lm, k] replays a routing (`moe.route`): the given experts, gate weights recomputed."""
-        return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, True, expert_ids)
+        `expert_ids` [B, T, Lm, k] replays a routing (`moe.route`): the given experts, gate weights recomputed.
+        `load_mask` [B, T] (the tokens the load-balancing loss counts): the routing is then (ids, `moe.load_sums`
+        of every MoE layer [Lm, 2, E])."""
+        return self._forward(params, x, sequence_lens, kv_cache, apply_lm_head, True, expert_ids, load_mask)
 
     def prefill(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache,
                 apply_lm_head: bool = False) -> tuple[jax.Array, KVCache]:
@@ -177,7 +173,8 @@ class Model:
         return embedding.lookup(table, x, mesh, self._act_spec(mesh, 2, seq), self._act_spec(mesh, 3, seq))
 
     def _forward(self, params: Params, x: jax.Array, sequence_lens: jax.Array, kv_cache: KVCache | None,
-                 apply_lm_head: bool, attend_cache: bool, expert_ids: jax.Array | None = None) -> tuple:
+                 apply_lm_head: bool, attend_cache: bool, expert_ids: jax.Array | None = None,
+                 load_mask: jax.Array | None = None) -> tuple:
         c = self.cfg
         params = moe_lib.layer_order(params, c)  # a MoE model with dense-MLP layers: one by one, in model order
         B, T = x.shape
@@ -202,6 +199,8 @@ class Model:
                 m = rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
                 if layer.moe is not None:  # a mixture-of-experts layer
                     y, used = moe_lib.moe_mlp(m, layer.moe, c, ids)
+                    if load_mask is not None:
+                        used = (used, moe_lib.load_sums(m, layer.moe.router, used, load_mask))
                     return h + y, used
                 gate = dense_lib.einsum("btd,df->btf", m, layer.w_gate)
                 up = dense_lib.einsum("btd,df->btf", m, layer.w_up)
@@ -310,8 +309,14 @@ class Model:
                 new_cache = write_call(kv_cache, ks, vs, start, kv_len, attend_cache)
 
         h = rms_norm(h, self._use(params.final_norm), c.rms_norm_eps)
-        ids = jnp.moveaxis(scan_routes, 0, 2) if scan_routes is not None else (
-            jnp.stack(routes, axis=2) if routes else None)  # [B, T, Lm, k]
+        if load_mask is None:
+            ids = jnp.moveaxis(scan_routes, 0, 2) if scan_routes is not None else (
+                jnp.stack(routes, axis=2) if routes else None)  # [B, T, Lm, k]
+        elif scan_routes is not None or routes:  # (ids [B, T, Lm, k], load sums [Lm, 2, E])
+            used, sums = scan_routes if scan_routes is not None else jax.tree.map(lambda *r: jnp.stack(r), *routes)
+            ids = (jnp.moveaxis(used, 0, 2), sums)
+        else:
+            ids = None
         return (self.lm_head(params, h) if apply_lm_head else h), new_cache, ids
 
     def lm_head_weight(self, params: Params) -> jax.Array:

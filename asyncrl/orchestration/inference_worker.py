@@ -292,7 +292,8 @@ class InferenceWorker:
         with self.gate.lock:
             self.replicas = ReplicaSet(Model(mcfg), self.gate.params, cfg.inference, self.tokenizer, devices=devices,
                                        seed=cfg.seed, version=self.gate.version,
-                                       name=f"inference{self.rank}", stop=self.envs.stop_sequences())
+                                       name=f"inference{self.rank}", stop=self.envs.stop_sequences(),
+                                       record_routes=cfg.moe.router_replay)
         threads = [threading.Thread(target=self._push, args=(lane,), name=f"shipper-{'eval' if lane else 'train'}",
                                     daemon=True) for lane in (True, False)]
         threads += [threading.Thread(target=self._replica_loop, args=(e,), name=e.name, daemon=True)

@@ -13,14 +13,14 @@ Ray pickles them to the host actors like any dataclass.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.models.section import ModelSection
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
 from asyncrl.tasks.config import TaskConfig
 from asyncrl.tools.config import ToolsConfig
-from asyncrl.train.config import LoraConfig, ShardingConfig, TrainConfig
+from asyncrl.train.config import LoraConfig, MoeConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.weightsync.config import WeightSyncConfig
 
@@ -73,6 +73,8 @@ class InferenceRoleConfig:
     """`run.seed`: the replicas' sampling."""
     eval_prompts: int
     """`eval.num_prompts`: the bound of the eval shipping lane."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """`train.moe`: with router_replay, the replicas record each sampled token's experts (`Completion.routes`)."""
 
 
 @dataclass(frozen=True)

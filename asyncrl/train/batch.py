@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -42,16 +42,22 @@ class RLBatch:
     loss_mask: np.ndarray  # [B, T] bool, sampled (not forced) completion tokens
     overlong_penalty: np.ndarray  # [B] float32, DAPO's length penalty added to the reward (<= 0; 0 when off)
     truncated: np.ndarray  # [B] bool, the completion was cut at the length limit (finish_reason 'length')
+    # [B, T, Lm, k] int8 (int16 past 127 experts): the sampler's experts of each sampled token at each MoE layer,
+    # -1 (the router's own choice) on prompt, forced and pad positions; None without train.moe.router_replay.
+    expert_ids: np.ndarray | None = field(default=None, kw_only=True)
 
     @staticmethod
-    def abstract(batch_size: int, seq_len: int, sharding: Callable[[int], Any] | None = None) -> RLBatch:
+    def abstract(batch_size: int, seq_len: int, sharding: Callable[[int], Any] | None = None,
+                 routes: tuple[int, int, Any] | None = None) -> RLBatch:
         """ShapeDtypeStructs of a [batch_size, seq_len] batch; `sharding(ndim)` places each leaf (e.g.
-        `TrainShardings.batch`). Lets a train step be lowered and compiled without any data."""
-        def leaf(name: str, dtype: Any, ndim: int) -> jax.ShapeDtypeStruct:
-            shape = (batch_size, seq_len)[:ndim]
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=None if sharding is None else sharding(ndim))
+        `TrainShardings.batch`). Lets a train step be lowered and compiled without any data. `routes` (Lm, k,
+        dtype): the batch carries expert ids (train.moe.router_replay)."""
+        def leaf(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=None if sharding is None else sharding(len(shape)))
 
-        return RLBatch(**{name: leaf(name, dtype, ndim) for name, (dtype, ndim) in _FIELDS.items()})
+        leaves = {name: leaf((batch_size, seq_len)[:ndim], dtype) for name, (dtype, ndim) in _FIELDS.items()}
+        ids = None if routes is None else leaf((batch_size, seq_len, routes[0], routes[1]), routes[2])
+        return RLBatch(**leaves, expert_ids=ids)
 
 
 # dtype and rank of each RLBatch field (what `build_batch` produces).
@@ -92,6 +98,7 @@ def build_batch(rollouts: Sequence[Rollout], loss_cfg: LossConfig, pad_to_multip
     group_ids = np.zeros((B,), np.int32)
     lengths = np.zeros((B,), np.int32)
     truncated = np.zeros((B,), bool)
+    expert_ids = _routes_array(rows, B, T)
     b = 0
     for g, r in enumerate(rollouts):
         r_rewards = r.rewards  # raises on unscored completions
@@ -105,13 +112,29 @@ def build_batch(rollouts: Sequence[Rollout], loss_cfg: LossConfig, pad_to_multip
             rewards[b] = reward
             group_ids[b] = g
             lengths[b], truncated[b] = n, c.finish_reason == "length"
+            if expert_ids is not None:
+                expert_ids[b, p:p + n] = c.routes
             b += 1
     penalty = shaping_for(lengths, truncated, loss_cfg)
     rewards = rewards + penalty
     if loss_cfg.overlong_filter:
         mask &= ~truncated[:, None]
     return RLBatch(tokens=tokens, sampler_logprobs=sampler_lp, seq_lens=seq_lens, rewards=rewards,
-                   group_ids=group_ids, loss_mask=mask, overlong_penalty=penalty, truncated=truncated)
+                   group_ids=group_ids, loss_mask=mask, overlong_penalty=penalty, truncated=truncated,
+                   expert_ids=expert_ids)
+
+
+def _routes_array(rows: Sequence[tuple[Rollout, Any]], B: int, T: int) -> np.ndarray | None:
+    """[B, T, Lm, k] of -1 in the completions' route dtype if they carry routes (router replay), else None."""
+    routed = [c.routes is not None for _, c in rows]
+    if not any(routed):
+        return None
+    if not all(routed):
+        bad = next(r for (r, _), ok in zip(rows, routed) if not ok)
+        raise ValueError(f"rollout of {bad.prompt.id} (data position {bad.prompt.position}) has completions without "
+                         "expert ids beside others with them (train.moe.router_replay: every sampler must record them)")
+    first = next(c.routes for _, c in rows)
+    return np.full((B, T, *first.shape[1:]), -1, first.dtype)
 
 
 def pad_batch(batch: RLBatch, seq_len: int) -> RLBatch:
@@ -122,8 +145,11 @@ def pad_batch(batch: RLBatch, seq_len: int) -> RLBatch:
     if seq_len == T:
         return batch
     pad = lambda x: np.pad(np.asarray(x), ((0, 0), (0, seq_len - T)))  # noqa: E731
+    ids = batch.expert_ids
+    if ids is not None:  # padding routes freely
+        ids = np.pad(np.asarray(ids), ((0, 0), (0, seq_len - T), (0, 0), (0, 0)), constant_values=-1)
     return replace(batch, tokens=pad(batch.tokens), sampler_logprobs=pad(batch.sampler_logprobs),
-                   loss_mask=pad(batch.loss_mask))
+                   loss_mask=pad(batch.loss_mask), expert_ids=ids)
 
 
 def combine_host_metrics(per_host: Sequence[HostMetrics]) -> HostMetrics:

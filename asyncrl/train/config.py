@@ -97,6 +97,26 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Mixture-of-experts training options (`train.moe`); a dense model ignores them."""
+
+    router_replay: bool = False
+    """Router replay (R3): the sampler records the top-k expert ids of every sampled token at every MoE layer, kept
+    with the completion like its logprobs, and the trainer's forward passes (the proximal and the policy pass) route
+    those tokens to those experts, with the gate weights recomputed from the current router (so it still learns).
+    Prompt and observation tokens take the router's own choice. Costs L_moe x k bytes a token (int8 ids; int16
+    past 127 experts) in the rollout, the queues and the batch."""
+    aux_coef: float = 0.0
+    """Weight of the Switch / Qwen3-MoE load-balancing loss (transformers' `load_balancing_loss_func`: num_experts x
+    sum_e f_e P_e over every MoE layer's valid tokens) added to the loss; the step then logs it (`moe_aux_loss`)
+    and the experts' load (`moe_load_max`, `moe_load_min`: the busiest and idlest expert's share of assignments).
+    0 turns it off."""
+
+    def __post_init__(self) -> None:
+        check("train.moe.aux_coef", self.aux_coef, self.aux_coef >= 0, ">= 0")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     total_steps: int = 100
     """Optimizer steps to run."""
@@ -165,6 +185,8 @@ class TrainConfig:
     update is untouched."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA: train low-rank adapters on a frozen base (rank 0, the default, is the full fine-tune)."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture-of-experts options: router replay and the load-balancing loss."""
 
     def __post_init__(self) -> None:
         check("train.total_steps", self.total_steps, self.total_steps >= 1, ">= 1")

@@ -31,14 +31,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from asyncrl.models import lora as lora_lib, params as params_lib
+from asyncrl.models import lora as lora_lib, moe as moe_lib, params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
 from asyncrl.ops.logprobs import LOGITS_PRECISIONS, fused_logprobs_and_entropy, scale_for_temperature
 from asyncrl.sharding.axes import DATA_AXES
 from asyncrl.train.advantages import check_normalizer, keep_sequences, loss_weights, prepare_loss_inputs
 from asyncrl.train.batch import RLBatch
-from asyncrl.train.config import LoraConfig
+from asyncrl.train.config import LoraConfig, MoeConfig
 from asyncrl.train.ess import batch_ess, group_weight_sums
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.losses import Metrics, finalize_metrics, metric_reduction
@@ -66,19 +66,35 @@ def _data_spec(ndim: int, lead: int = 0) -> P:
 
 
 def token_logprobs(model: Model, params: Params, tokens: jax.Array, seq_lens: jax.Array, temperature: float,
-                   chunk_size: int) -> tuple[jax.Array, jax.Array]:
+                   chunk_size: int, expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """tokens [B, T] -> (logprob of tokens[:, 1:], entropy of that prediction), each [B, T-1] fp32.
 
     Unlike `Model.get_logprobs`, positions past seq_lens - 1 are not zeroed: the loss mask handles them. Every
     one of the T positions is scored against its next token (the last against a dummy, then dropped), so that
-    the sequence dim of the activations stays T and still divides over a context-parallel axis."""
-    h, _ = model.apply(params, tokens, seq_lens, apply_lm_head=False)  # [B, T, D]
+    the sequence dim of the activations stays T and still divides over a context-parallel axis. `expert_ids`
+    [B, T, Lm, k]: the sampler's routing to replay (train.moe.router_replay; -1: the router's own choice)."""
+    return _logprobs_and_load(model, params, tokens, seq_lens, temperature, chunk_size, expert_ids)[:2]
+
+
+def _logprobs_and_load(model: Model, params: Params, tokens: jax.Array, seq_lens: jax.Array, temperature: float,
+                       chunk_size: int, expert_ids: jax.Array | None = None, load: bool = False
+                       ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """`token_logprobs`, and with `load` the MoE layers' load sums over the valid tokens ([Lm, 2, E], for the
+    load-balancing loss: `moe.load_sums`)."""
+    sums = None
+    if expert_ids is None and not load:  # a dense model, or MoE without replay or aux loss: the plain forward
+        h, _ = model.apply(params, tokens, seq_lens, apply_lm_head=False)  # [B, T, D]
+    else:
+        mask = jnp.arange(tokens.shape[1])[None, :] < seq_lens[:, None] if load else None  # [B, T]
+        h, _, routed = model.apply_routed(params, tokens, seq_lens, apply_lm_head=False, expert_ids=expert_ids,
+                                          load_mask=mask)
+        sums = routed[1] if load else None
     h = scale_for_temperature(h, temperature)
     lp, ent = fused_logprobs_and_entropy(model.flatten_positions(h), model.lm_head_weight(params),
                                          model.flatten_positions(model.next_token_targets(tokens)),
                                          chunk_size, LOGITS_PRECISIONS[model.logits_precision])  # [B*T]
     B = tokens.shape[0]
-    return model.drop_last_position(lp, B), model.drop_last_position(ent, B)
+    return model.drop_last_position(lp, B), model.drop_last_position(ent, B), sums
 
 
 def split_micro_batches(x: jax.Array, n: int) -> jax.Array:
@@ -119,14 +135,19 @@ def with_loss_inputs(batch: RLBatch, loss_cfg: LossConfig) -> LossBatch:
 
 
 def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_size: int,
-                 compute_dtype: Any = None, n_groups: int | None = None) -> Callable[..., tuple[jax.Array, Metrics]]:
+                 compute_dtype: Any = None, n_groups: int | None = None, moe: MoeConfig | None = None,
+                 micro_batches: int = 1) -> Callable[..., tuple[jax.Array, Metrics]]:
     """The micro-batch loss `(params, mb, frozen={}) -> (loss, metrics)`. `frozen` holds detached [b, T-1]
     logprobs of the same rows: "prox" (the proximal policy) and "ref" (the KL reference), when the step has them.
     With `compute_dtype`, the (fp32 master) params are cast first: on their FSDP shards, so each layer's
     all-gather and matmuls run in that dtype, and the gradient comes back through the cast in the master dtype.
     With `n_groups` (the batch's group ids are below it), the metrics also hold "group_weights" [n_groups, 4], the
-    importance-weight sums of each group (`train/ess.py`), summed like any other metric."""
+    importance-weight sums of each group (`train/ess.py`), summed like any other metric. With `moe.aux_coef` > 0
+    (a MoE model), the load-balancing loss of the micro-batch, over `micro_batches` (so that the micro-batches of an
+    update add up to their mean), is added, and logged with the experts' load (`moe_aux_loss`, `moe_load_max`,
+    `moe_load_min`). A batch's `expert_ids` (train.moe.router_replay) route its tokens."""
     loss_fn = get_loss(loss_cfg.name)
+    aux_coef = moe.aux_coef if moe is not None and model.cfg.is_moe else 0.0
 
     def micro_loss(params: Params, mb: LossBatch, frozen: dict[str, jax.Array] | None = None
                    ) -> tuple[jax.Array, Metrics]:
@@ -134,7 +155,8 @@ def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_s
         if compute_dtype is not None:
             params = params_lib.cast(params, compute_dtype)
         with jax.named_scope("logprobs"):
-            lp, ent = token_logprobs(model, params, mb.tokens, mb.seq_lens, temperature, chunk_size)  # [b, T-1]
+            lp, ent, sums = _logprobs_and_load(model, params, mb.tokens, mb.seq_lens, temperature, chunk_size,
+                                               mb.expert_ids, aux_coef > 0)  # [b, T-1]
         # [b, T] fields may be split over "cp"; explicit sharding cannot slice such a dim to T-1, so these small
         # arrays take the batch-only layout of `lp` first.
         from_second = lambda x: _reshard(x, _data_spec(2))[:, 1:]  # noqa: E731
@@ -143,6 +165,12 @@ def make_loss_fn(model: Model, loss_cfg: LossConfig, temperature: float, chunk_s
             loss, metrics = loss_fn(lp, from_second(mb.sampler_logprobs), mb.advantages, from_second(mb.weights),
                                     mask, loss_cfg, frozen.get("ref"), prox_logprobs=frozen.get("prox"))
         metrics = dict(metrics)
+        if aux_coef > 0:
+            aux, load = moe_lib.load_balancing_loss(sums, jnp.sum(mb.seq_lens).astype(jnp.float32),
+                                                    model.cfg.num_experts_per_tok)
+            loss = loss + aux_coef * aux / micro_batches
+            metrics |= {"moe_aux_loss": aux / micro_batches, "moe_load_max": jnp.max(load),
+                        "moe_load_min": jnp.min(load)}
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, ent, 0.0))
         metrics["tokens"] = jnp.sum(mb.seq_lens).astype(jnp.float32)
         if n_groups is not None:
@@ -165,15 +193,16 @@ def frozen_logprobs(model: Model, params: Params, batch: RLBatch, updates: int, 
     if compute_dtype is not None:
         params = params_lib.cast(params, compute_dtype)
 
-    def micro(_, mb: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
-        lp, _ = token_logprobs(model, params, mb[0], mb[1], temperature, chunk_size)
+    def micro(_, mb: tuple[jax.Array, ...]) -> tuple[None, jax.Array]:
+        lp, _ = token_logprobs(model, params, mb[0], mb[1], temperature, chunk_size, *mb[2:])
         return None, jax.lax.stop_gradient(lp)
 
-    def mini(_, x: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+    def mini(_, x: tuple[jax.Array, ...]) -> tuple[None, jax.Array]:
         return jax.lax.scan(micro, None, tuple(split_micro_batches(a, grad_accum_steps) for a in x))
 
     split = lambda a: split_micro_batches(a, updates)  # noqa: E731
-    return jax.lax.scan(mini, None, (split(batch.tokens), split(batch.seq_lens)))[1]
+    routes = () if batch.expert_ids is None else (split(batch.expert_ids),)  # train.moe.router_replay
+    return jax.lax.scan(mini, None, (split(batch.tokens), split(batch.seq_lens), *routes))[1]
 
 
 def _accumulate_and_update(grad_fn: Callable, tx: optax.GradientTransformation, grad_accum_steps: int,
@@ -209,7 +238,7 @@ def _accumulate_and_update(grad_fn: Callable, tx: optax.GradientTransformation, 
 
 # Values that are already means over an update's tokens (or norms of one update): over several updates they
 # are averaged, where token sums and counts add up.
-PER_UPDATE = ("loss", "pg_loss", "kl_loss", "grad_norm", "update_norm", "ess_lr_scale")
+PER_UPDATE = ("loss", "pg_loss", "kl_loss", "grad_norm", "update_norm", "ess_lr_scale", "moe_aux_loss")
 
 
 def _combine_updates(stacked: Metrics) -> Metrics:
@@ -221,15 +250,16 @@ def train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossCon
                grad_accum_steps: int, temperature: float, chunk_size: int, params: Params, opt_state: Any,
                batch: RLBatch, step: jax.Array, opt_state_compute: Any = None, compute_dtype: Any = None,
                updates_per_step: int = 1, ref_params: Params | None = None, ref_compute: Any = None,
-               base: Params | None = None, lora: LoraConfig | None = None, ess_scaled: bool = False
-               ) -> tuple[Params, Any, Metrics]:
+               base: Params | None = None, lora: LoraConfig | None = None, ess_scaled: bool = False,
+               moe: MoeConfig | None = None) -> tuple[Params, Any, Metrics]:
     """The unjitted step (see `make_train_step`). `opt_state_compute` moves an offloaded state into device memory,
     `ref_compute` an offloaded reference. With LoRA (`base` given), `params` are the adapters: the loss runs the
     base with them attached (`lora.attach`), gradients and updates are the adapters' only (B's alone with
     `lora.freeze_a`), and the KL reference is the base itself (adapters off)."""
     k = updates_per_step
     # Group ids are below the row count (each host's ids are offset by its rows, `Trainer._agree_across_hosts`).
-    micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size, compute_dtype, batch.tokens.shape[0])
+    micro_loss = make_loss_fn(model, loss_cfg, temperature, chunk_size, compute_dtype, batch.tokens.shape[0], moe,
+                              grad_accum_steps)
     full = lambda p: p  # noqa: E731
     if base is not None:
         trained = lora_lib.with_frozen_a if lora.freeze_a else (lambda p: p)
@@ -300,12 +330,12 @@ def _sample_counts(batch: RLBatch, loss_cfg: LossConfig) -> Metrics:
 def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: LossConfig, schedule: Schedule,
                     shardings: TrainShardings, grad_accum_steps: int, temperature: float, chunk_size: int,
                     compute_dtype: Any = None, updates_per_step: int = 1, ref_compute: Any = None,
-                    lora: LoraConfig | None = None, ess_scaled: bool = False) -> StepFn:
+                    lora: LoraConfig | None = None, ess_scaled: bool = False, moe: MoeConfig | None = None) -> StepFn:
     """`step_fn(params, opt_state, global_batch, step, ref_params=None, base=None) -> (params, opt_state,
     metrics)`, jitted, params and optimizer state donated. `ref_params` (the KL reference) is needed when
     loss.kl_coef > 0; it may live in pinned host memory, in which case `ref_compute` gives its device-memory
     shardings. With LoRA, `params` are the adapters, `base` the frozen model weights (not donated; also the KL
-    reference) and `lora` the train.lora config. `ess_scaled`: train.ess_scaled_lr.
+    reference) and `lora` the train.lora config. `ess_scaled`: train.ess_scaled_lr. `moe`: train.moe.
 
     Must be called under `jax.set_mesh(shardings.mesh)`. `step` (int32 scalar) is the optimizer update about to
     be taken (the step's first, with several updates per step); it only feeds the `lr` metric (the optimizer
@@ -315,6 +345,6 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, loss_cfg: Lo
     compute = shardings.opt_state_compute if shardings.offloaded else None
     fn = lambda params, opt_state, batch, step, ref_params=None, base=None: train_step(  # noqa: E731
         model, tx, loss_cfg, schedule, grad_accum_steps, temperature, chunk_size, params, opt_state, batch, step,
-        compute, compute_dtype, updates_per_step, ref_params, ref_compute, base, lora, ess_scaled)
+        compute, compute_dtype, updates_per_step, ref_params, ref_compute, base, lora, ess_scaled, moe)
     return jax.jit(fn, donate_argnums=(0, 1),
                    out_shardings=(shardings.params, shardings.opt_state, shardings.replicated))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asyncrl.models import lora as lora_lib, params as params_lib
+from asyncrl.models import lora as lora_lib, moe as moe_lib, params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
 from asyncrl.train.batch import HostMetrics, RLBatch, combine_host_metrics, pad_batch
@@ -128,7 +128,8 @@ class Trainer:
                             "device memory", self.mesh.devices.flat[0].platform)
         self._step_fn = make_train_step(self.model, self.tx, loss_cfg, self.schedule, self.shardings,
                                         train_cfg.grad_accum_steps, temperature, train_cfg.logprob_chunk_size,
-                                        compute, k, ref_compute, self.lora, train_cfg.ess_scaled_lr)
+                                        compute, k, ref_compute, self.lora, train_cfg.ess_scaled_lr, train_cfg.moe)
+        self.replay = train_cfg.moe.router_replay and model.cfg.is_moe  # the batches carry the sampler's expert ids
         self.params: Params | None = None
         self.base: Params | None = None  # LoRA's frozen weights
         self.ref_params: Params | None = None
@@ -280,7 +281,9 @@ class Trainer:
 
     def abstract_batch(self, seq_len: int) -> RLBatch:
         """The global [train_batch_size, seq_len] batch the step sees, on its shardings."""
-        return RLBatch.abstract(self.train_cfg.train_batch_size, seq_len, self.shardings.batch)
+        c = self.model.cfg
+        routes = (len(c.sparse_layers), c.num_experts_per_tok, moe_lib.route_dtype(c)) if self.replay else None
+        return RLBatch.abstract(self.train_cfg.train_batch_size, seq_len, self.shardings.batch, routes)
 
     def lower_step(self, batch: RLBatch) -> jax.stages.Lowered:
         """The train step (grad accumulation, optimizer update; params and opt_state donated) on `batch`, an
@@ -331,6 +334,11 @@ class Trainer:
         if rows != self.train_cfg.train_batch_size:
             raise ValueError(f"{local_batch.tokens.shape[0]} local rows x {len(self.hosts)} trainer hosts = {rows} "
                              f"sequences, but train.train_batch_size={self.train_cfg.train_batch_size}")
+        if self.replay and local_batch.expert_ids is None:
+            raise ValueError("train.moe.router_replay=true, but the batch carries no expert ids: its samplers did not "
+                             "record them (inference hosts started with the same train.moe)")
+        if not self.replay and local_batch.expert_ids is not None:
+            local_batch = dataclasses.replace(local_batch, expert_ids=None)  # recorded, but replay is off here
         local_batch = self._agree_across_hosts(local_batch)
         with jax.set_mesh(self.mesh):
             global_batch = shard_batch(local_batch, self.shardings)
