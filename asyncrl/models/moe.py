@@ -55,12 +55,32 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
     return weights.astype(x.dtype), ids.astype(jnp.int32)
 
 
+DENSE_MAX_TOKENS = 64
+"""Calls of at most this many tokens (a decode step's rows) run every local expert on every token, weighted by the
+routing (zero for the experts a token is not routed to), instead of the grouped matmuls. Such a call is bound by
+reading the experts' weights, which both ways read once, and the E/k times more FLOPs stay under that read while
+N < peak FLOP/s / HBM bandwidth (about 160 on a v5p). On a TPU `ragged_dot` is a Mosaic kernel, which cannot read a
+layer's slice of the stacked weights in place: XLA copied every layer's experts out first, reading and writing them
+once more per decode step (benchmarks/README.md, "MoE at target scale")."""
+
+
 def experts(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
             w_down: jax.Array, first: jax.Array | int = 0) -> jax.Array:
     """The experts `first .. first+El-1` (w_gate/w_up [El, D, I], w_down [El, I, D]) applied to their share of
     the assignments (ids, weights [N, k]) of x [N, D]; -> [N, D], zero for tokens routed to none of them."""
     N, k = ids.shape
     El = w_gate.shape[0]
+    if N <= DENSE_MAX_TOKENS:
+        onehot = (ids - first)[:, :, None] == jnp.arange(El)[None, None, :]  # [N, k, El]; others' experts: none
+        gw = jnp.einsum("nk,nke->ne", weights, onehot.astype(weights.dtype))  # [N, El] routing weight, 0 if unrouted
+        # Batched over the experts, so each weight is read in its stored layout ([El, D, I]: batch, contracted,
+        # kept); contracting D out of the middle of [El, D, I] made XLA transpose the whole stack first.
+        xb = jnp.broadcast_to(x[None], (El, N, x.shape[-1]))  # [El, N, D]
+        with jax.named_scope("experts_dense"):
+            gate = jnp.einsum("end,edi->eni", xb, w_gate)  # [El, N, I]
+            up = jnp.einsum("end,edi->eni", xb, w_up)
+            h = jax.nn.silu(gate) * up * gw.T[:, :, None]
+            return jnp.einsum("eni,eid->nd", h, w_down)
     local = ids.reshape(-1) - first  # [A]
     local = jnp.where((local >= 0) & (local < El), local, El)  # El: another shard's expert, sorted last
     order = jnp.argsort(local, stable=True)  # [A]
