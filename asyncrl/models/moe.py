@@ -8,9 +8,12 @@ over all E in fp32, top-k, renormalised over the k when `norm_topk_prob`, cast b
 weighted sum of its k experts' SwiGLU outputs. Dropless: every assignment is computed (no capacity).
 
 Experts run as `jax.lax.ragged_dot` over the assignments sorted by expert (one grouped matmul per projection,
-which XLA:CPU runs too). Expert parallelism is the SkyRL-tx layout: experts split over the "expert" mesh axis,
-tokens replicated over it; each shard computes the assignments routed to its own experts (the others sort to the
-end, past its group sizes, and count zero) and one psum over the expert (and tensor-parallel) axes combines them.
+which XLA:CPU runs too); a call of at most `DENSE_MAX_TOKENS` tokens (a decode step) runs every local expert on
+every token instead, weighted by the routing.
+
+Expert parallelism is the SkyRL-tx layout: experts split over the "expert" mesh axis, tokens replicated over it;
+each shard computes the assignments routed to its own experts (the others sort to the end, past its group sizes,
+and count zero) and one psum over the expert (and tensor-parallel) axes combines them.
 In the trainer the expert axis splits the tokens too (it is a data axis outside the MoE layers, `train/mesh.py`):
 there the dispatch is an all-gather of the expert group's tokens (and their routing) and the combine a
 reduce-scatter of the outputs back onto their tokens' devices. No all-to-all: `ragged_all_to_all` does not run on
