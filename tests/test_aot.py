@@ -51,6 +51,20 @@ def test_split_roles_by_host_and_errors():
         split_roles(one_host, 1, hosts=3)
 
 
+def test_moe_ideals_count_active_params_and_the_experts_a_decode_step_touches():
+    from asyncrl.aot.programs import experts_touched, matmul_params
+
+    c = preset("qwen3-30b-a3b")
+    attn = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048
+    # Attention, the router and k = 8 of the 128 experts per layer, and the LM head: 3.04B of the 30.5B.
+    assert matmul_params(Model(c)) == 48 * (attn + 2048 * 128 + 8 * 3 * 2048 * 768) + 2048 * 151936
+    assert experts_touched(c, 1) == pytest.approx(8)  # one token touches its k experts
+    assert experts_touched(c, 64) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 64))  # 125.9
+    assert experts_touched(c, 16) < experts_touched(c, 64) < 128
+    d = preset("qwen3-8b")  # a dense model: every weight, as before
+    assert matmul_params(Model(d)) == 36 * (4096 * 48 * 128 + 32 * 128 * 4096 + 3 * 4096 * 12288) + 4096 * 151936
+
+
 def _tiny_trainer(devices):
     train = TrainConfig(train_batch_size=8, grad_accum_steps=2)
     return Trainer(Model(preset("tiny")), train, LossConfig(), ShardingConfig(mesh=MeshConfig(), min_bytes_for_fsdp=0),

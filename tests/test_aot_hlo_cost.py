@@ -161,6 +161,16 @@ def test_slices_in_place_updates_async_collectives_and_memory_spaces() -> None:
     assert top[0][2] == 8 * layer and top[-1] == ("ag-done", "f32[512,128]{1,0}", gathered)
 
 
+def test_collectives_of_a_moe_layer_are_also_counted_apart() -> None:
+    """The MoE layer's dispatch and combine (named scope `moe`, models/moe.py) also count under "<kind> (moe)"; an
+    async pair by its -start's metadata."""
+    meta = ', metadata={op_name="jit(step)/layers/mlp/moe/shard_map/all_gather"}'
+    hlo = SLICE_HLO.replace("dimensions={0}", "dimensions={0}" + meta)
+    cost = analyze_hlo(hlo)
+    assert cost.collective_bytes == {"all-gather": 512 * 128 * 4, "all-gather (moe)": 512 * 128 * 4}
+    assert analyze_hlo(SLICE_HLO).collective_bytes == {"all-gather": 512 * 128 * 4}  # FSDP's, say: not moe
+
+
 COND_HLO = """HloModule cond
 
 %cheap (p: f32[64]) -> f32[64] {

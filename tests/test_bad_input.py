@@ -97,6 +97,7 @@ def test_missing_shard_named(good_folder, tmp_path):
         ("loss=not_a_loss", r"loss='not_a_loss'.*one of"),  # unknown preset
         ("async.train_workers=5", r"async\.train_workers=5"),  # role split impossible
         ("sharding.mesh.fsdp=0", r"sharding\.mesh\.fsdp=0"),
+        ("sharding.mesh.expert=0", r"sharding\.mesh\.expert=0"),
         ("train.grad_accum_steps=7", r"train\.grad_accum_steps=7"),
         ("train.updates_per_step=3", r"train\.updates_per_step=3"),
         # CISPO on top of the grpo preset would keep its epsilon_high=0.2: a cap of 0.2 on every IS weight.

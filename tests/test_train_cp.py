@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from asyncrl.models import Model, preset
+from asyncrl.sharding.axes import DATA_AXES
 from asyncrl.train.batch import build_batch
 from asyncrl.train.config import MeshConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
@@ -96,13 +97,13 @@ def test_cp_matches_cp1(batch, reference, n_devices, mesh):
     # The batch's sequence dim is split over cp ...
     with jax.set_mesh(trainer.mesh):
         tokens = shard_batch(batch, trainer.shardings).tokens
-        assert tokens.sharding.spec == P(("dp", "fsdp"), "cp")
+        assert tokens.sharding.spec == P(DATA_AXES, "cp")
         assert {s.data.shape[1] for s in tokens.addressable_shards} == {T // cp}
         # ... and so is the residual stream: [B, T/cp, D] per device (it is the layer scan's carry, so every
         # layer sees that layout).
         hidden = jax.eval_shape(lambda p, t, n: trainer.model.apply(p, t, n, apply_lm_head=False)[0],
                                 trainer.params, tokens, jnp.asarray(batch.seq_lens))
-        assert hidden.sharding.spec == P(("dp", "fsdp"), "cp", None)
+        assert hidden.sharding.spec == P(DATA_AXES, "cp", None)
         assert hidden.sharding.shard_shape(hidden.shape)[1] == T // cp
 
     loss, grads, hlo = _run(trainer, batch)

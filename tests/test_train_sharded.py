@@ -25,10 +25,10 @@ TRAIN = TrainConfig(train_batch_size=32, grad_accum_steps=2, lr=1e-4, warmup_ste
 LOSS = LossConfig(name="grpo")
 
 
-def _trainer(mesh: MeshConfig, devices=None, **sharding) -> Trainer:
-    t = Trainer(Model(preset("tiny")), TRAIN, LOSS, ShardingConfig(mesh=mesh, min_bytes_for_fsdp=0, **sharding),
+def _trainer(mesh: MeshConfig, devices=None, model: str = "tiny", **sharding) -> Trainer:
+    t = Trainer(Model(preset(model)), TRAIN, LOSS, ShardingConfig(mesh=mesh, min_bytes_for_fsdp=0, **sharding),
                 devices=devices)
-    t.load(random_params(preset("tiny")))
+    t.load(random_params(preset(model)))
     return t
 
 
@@ -50,12 +50,22 @@ def _batches():
     return [build_batch(make_rollouts(seed, 8, 4, vocab), LOSS, seq_len=16) for seed in (0, 1)]
 
 
+def _assert_steps_match(single: Trainer, sharded: Trainer, batch) -> None:
+    m1, m8 = single.step(batch), sharded.step(batch)
+    for m in (m1, m8):
+        m.pop("train/step_time_s")
+    assert m1.keys() == m8.keys()
+    for k in m1:
+        assert m8[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), k
+    _assert_trees_close(single.params, sharded.params, atol=1e-5)
+
+
 def test_fsdp_dp_step_matches_single_device():
     assert jax.device_count() == 8
     batches = _batches()
     single = _trainer(MeshConfig(dp=1, fsdp=1), devices=jax.devices()[:1])
     sharded = _trainer(MeshConfig(dp=2, fsdp=4))
-    assert sharded.mesh.shape == {"dp": 2, "fsdp": 4, "cp": 1}
+    assert sharded.mesh.shape == {"dp": 2, "fsdp": 4, "expert": 1, "cp": 1}
 
     # Really sharded: FSDP splits D (=64) 4 ways and replicates over dp; so do Adam's moments.
     wq, embed = sharded.params.layers.wq, sharded.params.embed  # [L, D, H, Dh], [V, D]
@@ -132,3 +142,37 @@ def test_two_updates_with_correction_kl_and_offload_match_single_device():
             assert m8[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), k
         assert m1["train/kl"] >= 0 and 0 < m1["train/is_truncated_frac"] < 1
         _assert_trees_close(single.params, sharded.params, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_moe_dp_fsdp_expert_steps_match_single_device_and_sync_to_a_tensor_parallel_replica():
+    """The tiny MoE's train step (loss, gradients, AdamW update) under dp x fsdp x expert = 2 x 2 x 2 equals one
+    device's, with the experts really split over the expert axis; the trained weights then go from the trainer's
+    layout straight onto an inference replica's tensor-parallel one (what a weight sync's receiver does:
+    `place_params`). That layout's forward is tests/test_moe.py's expert_tp case."""
+    from jax.sharding import AxisType, Mesh
+
+    from asyncrl.inference.weights import place_params
+    from asyncrl.sharding.rules import tensor_parallel_rules
+
+    cfg = preset("tiny_moe")
+    batches = [build_batch(make_rollouts(seed, 8, 4, cfg.vocab_size), LOSS, seq_len=16) for seed in (0, 1)]
+    single = _trainer(MeshConfig(dp=1, fsdp=1), devices=jax.devices()[:1], model="tiny_moe")
+    sharded = _trainer(MeshConfig(dp=2, fsdp=2, expert=2), model="tiny_moe")
+    assert sharded.mesh.shape == {"dp": 2, "fsdp": 2, "expert": 2, "cp": 1}
+    wg = sharded.params.layers.moe.w_gate  # [L, E, D, I] = [2, 4, 64, 48]: E over expert, D over fsdp
+    assert {s.data.shape for s in wg.addressable_shards} == {(2, 2, 32, 48)}
+    moments = [x for x in jax.tree.leaves(sharded.opt_state) if x.shape == wg.shape]
+    assert len(moments) == 4 and all(m.sharding == wg.sharding for m in moments)  # mu, nu of w_gate and w_up
+    for batch in batches:
+        _assert_steps_match(single, sharded, batch)
+    assert {s.data.shape for s in sharded.params.layers.moe.w_gate.addressable_shards} == {(2, 2, 32, 48)}
+    start = random_params(cfg).layers.moe
+    for name in ("router", "w_gate", "w_down"):  # the experts and the router really trained
+        assert float(np.abs(np.asarray(getattr(single.params.layers.moe, name)) - getattr(start, name)).max()) > 1e-5
+
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("tp",), axis_types=(AxisType.Explicit,))
+    replica = place_params(sharded.params_for_inference(np.float32),
+                           Model(cfg, tensor_parallel_rules("tp")).param_shardings(mesh))
+    assert {s.data.shape for s in replica.layers.moe.w_gate.addressable_shards} == {(2, 4, 64, 24)}  # I over tp
+    _assert_trees_close(replica, single.params, atol=1e-5)

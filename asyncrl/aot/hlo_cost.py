@@ -38,7 +38,8 @@ What is counted, per execution:
   all-gather and reduce-scatter and twice that for all-reduce. An async pair (`all-gather-start` and
   `-done`) counts once, at the -done; one pipelined across loop iterations counts only its result. TPU fuses
   reduce-scatter as an all-reduce whose result each chip dynamic-slices (a kCustom fusion); that is reported as
-  reduce-scatter.
+  reduce-scatter. Collectives under the named scope `moe` (a mixture-of-experts layer's dispatch and combine,
+  `models/moe.py`) are counted a second time under "<kind> (moe)", so that they can be told from FSDP's.
 
 Against `cost_analysis()["bytes accessed"]` (the tests measure it): on a loop-free program whose arguments
 stay in HBM the two agree exactly. Where XLA prefetches an argument into VMEM before the program runs
@@ -77,6 +78,7 @@ _COLLECTIVES = frozenset("all-gather all-reduce reduce-scatter all-to-all collec
 _SLICING_OPS = frozenset({"slice", "dynamic-slice", "gather"})
 
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_MOE_SCOPE = re.compile(r'op_name="[^"]*/moe/')  # a mixture-of-experts layer's dispatch and combine (models/moe.py)
 _WORST_CASE = re.compile(r'op_name="[^"]*worst_case_trips_(\d+)/while"')
 _FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
 
@@ -288,11 +290,17 @@ class _Analyzer:
             for space, n in reads + writes:
                 acc.inc(("mem", space), n)
             kind = op.removesuffix("-done")
+            moe = _MOE_SCOPE.search((start or ins).attrs) is not None
             if kind in _COLLECTIVES:
-                acc.inc(("coll", kind), max(sum(n for _, n in reads), sum(n for _, n in writes)))
+                n = max(sum(n for _, n in reads), sum(n for _, n in writes))
+                acc.inc(("coll", kind), n)
+                if moe:
+                    acc.inc(("coll", f"{kind} (moe)"), n)
             if op == "fusion":
                 for kind, n in self._fused(ins.called("calls"), "collectives").items():
                     acc.inc(("coll", kind), n)
+                    if moe and not kind.endswith("(moe)"):
+                        acc.inc(("coll", f"{kind} (moe)"), n)
             mm, fl, tr = self._instr_flops(comp, ins)
             acc.inc("matmul_flops", mm)
             acc.inc("flops", mm + fl)

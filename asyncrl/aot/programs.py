@@ -70,16 +70,36 @@ class Program:
     ideal_flops: float
     """Useful FLOPs per chip (train: 6 N tokens; prefill: 2 N tokens)."""
     ideal_bytes: float
-    """Unavoidable HBM bytes per chip (decode: the weights plus the whole KV cache, read once)."""
+    """Unavoidable HBM bytes per chip (decode: the weights plus the whole KV cache, read once; of a MoE layer's
+    experts only those the step's rows are expected to touch, `experts_touched`)."""
 
 
 def matmul_params(model: Model) -> int:
-    """N of 6·N·tokens: the weights that take part in a matmul, i.e. every layer's projections and the LM head
-    (the input embedding is a lookup; norm scales are elementwise)."""
+    """N of 6·N·tokens: the weights that take part in a token's matmuls, i.e. every layer's projections and the LM
+    head (the input embedding is a lookup; norm scales are elementwise). In a mixture-of-experts layer that is the
+    *active* params: the router and the k experts the token is routed to, not all E."""
     c = model.cfg
     d, h, k, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    per_layer = d * (h + 2 * k) * dh + h * dh * d + 3 * d * c.intermediate_size
-    return c.num_layers * per_layer + d * c.vocab_size
+    attn = d * (h + 2 * k) * dh + h * dh * d
+    if not c.is_moe:
+        return c.num_layers * (attn + 3 * d * c.intermediate_size) + d * c.vocab_size
+    sparse = d * c.num_experts + c.num_experts_per_tok * 3 * d * c.moe_intermediate_size
+    return (c.num_layers * attn + len(c.sparse_layers) * sparse + len(c.dense_layers) * 3 * d * c.intermediate_size
+            + d * c.vocab_size)
+
+
+def experts_touched(cfg: ModelConfig, rows: int) -> float:
+    """Expected distinct experts one MoE layer reads in a decode step of `rows` tokens, each routed to k of the E
+    experts uniformly: E * (1 - (1 - k/E)^rows) (an expert is missed by one token with probability 1 - k/E). Real
+    routers are less uniform, which touches fewer: this ideal is the larger, harder one."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    return E * (1.0 - (1.0 - k / E) ** rows)
+
+
+def expert_bytes(params: Any) -> float:
+    """Bytes one device holds of the experts' weights (not the routers) of a tree of ShapeDtypeStructs."""
+    layers = params.layers if isinstance(params.layers, tuple) else (params.layers,)
+    return sum(shard_bytes([m.w_gate, m.w_up, m.w_down]) for m in (x.moe for x in layers) if m is not None)
 
 
 def shard_bytes(tree: Any) -> float:
@@ -150,13 +170,17 @@ def build_programs(cfg: ProgramsConfig, devices: Sequence[Any], only: Sequence[s
     replicas = ReplicaSet(model, None, cfg.inference, tokenizer, devices=roles.inference_hosts[0], eos_id=0)
     engine = replicas.engines[0]
     e_chips = engine.mesh.devices.size
-    weights = shard_bytes(engine.abstract_params())
+    abstract_weights = engine.abstract_params()
+    weights = shard_bytes(abstract_weights)
     state_kv = engine.abstract_state().kv
+    rows = cfg.inference.max_decode_batch_size
+    # A MoE decode step reads the experts its rows are routed to, not all E (`experts_touched`); the rest in full.
+    read = weights if not model.cfg.is_moe else (
+        weights - expert_bytes(abstract_weights) * (1.0 - experts_touched(model.cfg, rows) / model.cfg.num_experts))
     # With LoRA the replica decodes with merged weights and keeps the base it merges the next adapters into.
     programs.append(Program(
         "decode", "inference", e_chips, engine.lower_decode if lc is None else engine.lower_decode_keeping_base,
-        cfg.inference.max_decode_batch_size, engine.S, "decode step",
-        2.0 * n * cfg.inference.max_decode_batch_size / e_chips, weights + shard_bytes(state_kv)))
+        rows, engine.S, "decode step", 2.0 * n * rows / e_chips, read + shard_bytes(state_kv)))
     if lc is not None:  # the two ways to decode with adapters: merged once per sync, or unmerged in every step
         programs.append(Program("lora_merge", "inference", e_chips, lambda: engine.lower_lora_merge(lc), 0, 0, "call",
                                 0.0, 2 * weights + shard_bytes(engine.abstract_lora(lc))))

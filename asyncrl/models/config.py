@@ -335,6 +335,13 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         max_position_embeddings=40960, bos_token_id=151643, eos_token_ids=(151645,),
     ),
+    # Qwen3-30B-A3B: 48 layers, all MoE (mlp_only_layers [], decoder_sparse_step 1), 128 experts, top-8.
+    "qwen3-30b-a3b": ModelConfig(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_ids=(151645,), num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    ),
     "llama-3.1-8b": ModelConfig(
         family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,

@@ -8,11 +8,19 @@ over all E in fp32, top-k, renormalised over the k when `norm_topk_prob`, cast b
 weighted sum of its k experts' SwiGLU outputs. Dropless: every assignment is computed (no capacity).
 
 Experts run as `jax.lax.ragged_dot` over the assignments sorted by expert (one grouped matmul per projection,
-which XLA:CPU runs too). Expert parallelism is the SkyRL-tx layout: experts split over the "expert" mesh axis,
-tokens replicated over it; each shard computes the assignments routed to its own experts (the others sort to the
-end, past its group sizes, and count zero) and one psum over the expert (and tensor-parallel) axes combines them.
-No all-to-all: `ragged_all_to_all` does not run on XLA:CPU, so this is the path the fake-device tests can check;
-it moves [N, D] per layer (the psum) instead of the ~2*k/E*N*D of a dispatch and combine.
+which XLA:CPU runs too); a call of at most `DENSE_MAX_TOKENS` tokens (a decode step) runs every local expert on
+every token instead, weighted by the routing.
+
+Expert parallelism is the SkyRL-tx layout: experts split over the "expert" mesh axis, tokens replicated over it;
+each shard computes the assignments routed to its own experts (the others sort to the end, past its group sizes,
+and count zero) and one psum over the expert (and tensor-parallel) axes combines them.
+In the trainer the expert axis splits the tokens too (it is a data axis outside the MoE layers, `train/mesh.py`):
+there the dispatch is an all-gather of the expert group's tokens (and their routing) and the combine a
+reduce-scatter of the outputs back onto their tokens' devices. No all-to-all: `ragged_all_to_all` does not run on
+XLA:CPU, so this is the path the fake-device tests can check. Per layer and device, with n tokens per device and
+ep devices in the group, the all-gather and the reduce-scatter each move (ep - 1) * n * D values, where an
+all-to-all dispatch and combine would each move about k * (ep - 1) / ep * n * D: fewer bytes whenever ep <= k
+(Qwen3-30B-A3B: k = 8), and no token counts to exchange first (benchmarks/README.md, "MoE at target scale").
 
 Router replay: `moe_mlp(..., expert_ids=ids)` routes each token to the given experts instead of its top-k (a
 token given -1 takes its own top-k), with the gate weights still the router's own probabilities at those ids (so
@@ -50,12 +58,32 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
     return weights.astype(x.dtype), ids.astype(jnp.int32)
 
 
+DENSE_MAX_TOKENS = 64
+"""Calls of at most this many tokens (a decode step's rows) run every local expert on every token, weighted by the
+routing (zero for the experts a token is not routed to), instead of the grouped matmuls. Such a call is bound by
+reading the experts' weights, which both ways read once, and the E/k times more FLOPs stay under that read while
+N < peak FLOP/s / HBM bandwidth (about 160 on a v5p). On a TPU `ragged_dot` is a Mosaic kernel, which cannot read a
+layer's slice of the stacked weights in place: XLA copied every layer's experts out first, reading and writing them
+once more per decode step (benchmarks/README.md, "MoE at target scale")."""
+
+
 def experts(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
             w_down: jax.Array, first: jax.Array | int = 0) -> jax.Array:
     """The experts `first .. first+El-1` (w_gate/w_up [El, D, I], w_down [El, I, D]) applied to their share of
     the assignments (ids, weights [N, k]) of x [N, D]; -> [N, D], zero for tokens routed to none of them."""
     N, k = ids.shape
     El = w_gate.shape[0]
+    if N <= DENSE_MAX_TOKENS:
+        onehot = (ids - first)[:, :, None] == jnp.arange(El)[None, None, :]  # [N, k, El]; others' experts: none
+        gw = jnp.einsum("nk,nke->ne", weights, onehot.astype(weights.dtype))  # [N, El] routing weight, 0 if unrouted
+        # Batched over the experts, so each weight is read in its stored layout ([El, D, I]: batch, contracted,
+        # kept); contracting D out of the middle of [El, D, I] made XLA transpose the whole stack first.
+        xb = jnp.broadcast_to(x[None], (El, N, x.shape[-1]))  # [El, N, D]
+        with jax.named_scope("experts_dense"):
+            gate = jnp.einsum("end,edi->eni", xb, w_gate)  # [El, N, I]
+            up = jnp.einsum("end,edi->eni", xb, w_up)
+            h = jax.nn.silu(gate) * up * gw.T[:, :, None]
+            return jnp.einsum("eni,eid->nd", h, w_down)
     local = ids.reshape(-1) - first  # [A]
     local = jnp.where((local >= 0) & (local < El), local, El)  # El: another shard's expert, sorted last
     order = jnp.argsort(local, stable=True)  # [A]
@@ -82,13 +110,19 @@ def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig,
     B, T, D = x.shape
     k = cfg.num_experts_per_tok
 
-    def local(x, router, w_gate, w_up, w_down, ids, first=0, summed=()):
+    def local(x, router, w_gate, w_up, w_down, ids, first=0, summed=(), gathered=()):
         xf = x.reshape(-1, D)
         weights, ids = route(xf, router, cfg, None if ids is None else ids.reshape(-1, k))
-        y = experts(xf, ids, weights, w_gate, w_up, w_down, first)
+        if gathered:  # dispatch: every token of this expert group, with its routing
+            xs, ws, ids_all = (jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (xf, weights, ids))
+            y = experts(xs, ids_all, ws, w_gate, w_up, w_down, first)
+        else:
+            y = experts(xf, ids, weights, w_gate, w_up, w_down, first)
         if summed:
             y = jax.lax.psum(y, summed)
             ids = jax.lax.pmax(ids, summed)  # equal on every shard: this only types them replicated
+        if gathered:  # combine: each token's sum over the group's experts, back on its own device
+            y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
         return y.reshape(x.shape), ids.reshape(*x.shape[:-1], k)
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -103,16 +137,20 @@ def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig,
         raise ValueError(f"moe_mlp: router {w_specs[0]} and the experts' D dim {w_specs[1]} must be gathered "
                          "(Model._use) before the layer")
     ids_spec = P(*x_spec.partitions[:2], None)
+    # Expert axes that also split the tokens (the trainer's: train/mesh.py) gather them first and scatter the
+    # outputs back; over the others (an inference replica's) the tokens are already whole on every shard.
+    token_axes = {a for e in x_spec.partitions[:2] for a in _axes(e)}
+    gathered = tuple(a for a in ep if a in token_axes)
 
     def shard(x, router, w_gate, w_up, w_down, ids=None):
         first = 0
         for a in ep:  # this shard's first expert: its index along the expert axes (major to minor) * El
             first = first * mesh.shape[a] + jax.lax.axis_index(a)
-        summed = (*ep, *tp)
+        summed = (*[a for a in ep if a not in gathered], *tp)
         # Each shard's gradient for the (replicated) tokens and router is its experts' part: typed varying here,
         # and the transpose sums the parts. Left invariant, their gradients came out wrong here (off by ~10%).
         x, router = jax.lax.pcast((x, router), summed, to="varying") if summed else (x, router)
-        return local(x, router, w_gate, w_up, w_down, ids, first * w_gate.shape[0], summed)
+        return local(x, router, w_gate, w_up, w_down, ids, first * w_gate.shape[0], summed, gathered)
 
     args, specs = (x, p.router, p.w_gate, p.w_up, p.w_down), (x_spec, *w_specs)
     if expert_ids is not None:

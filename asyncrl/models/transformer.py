@@ -121,13 +121,15 @@ class Model:
         if mesh is None or w is None:
             return w
         spec = jax.typeof(w).sharding.spec
-        new = P(*[drop_axes(e, set(self._batch_axes(mesh))) for e in spec])
+        # Experts stay split over the expert axis, a data axis too (train/mesh.py): only their FSDP shards gather.
+        kept = set((self.rules or ShardingRules()).mesh_axes("expert"))
+        new = P(*[drop_axes(e, set(self._batch_axes(mesh)) - kept) for e in spec])
         if tuple(new) == tuple(spec):
             return w
         if summed:
             held = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
             w = jax.sharding.reshard(w, P(*spec, reduced=set(summed) - held))
-            new = P(*new, reduced=set(summed))
+            new = P(*new, reduced=set(summed) - (held & kept))
         return jax.sharding.reshard(w, new)
 
     def _contract(self, eq: str, x: jax.Array, w: jax.Array, seq: tuple[str, ...] = (), **kw: Any) -> jax.Array:

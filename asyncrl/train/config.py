@@ -15,6 +15,12 @@ class MeshConfig:
     """Pure data parallel replicas (params replicated across dp)."""
     fsdp: int = -1
     """Fully sharded data parallel: params and optimizer state are split over this axis; the batch too."""
+    expert: int = 1
+    """Expert parallel devices: a mixture-of-experts layer's experts are split over them (each holds E / expert
+    experts, whole along their width; FSDP still splits them along D). Outside the MoE layers this axis is one more
+    data axis (the batch splits over dp x fsdp x expert); inside one, each device gathers its expert group's tokens,
+    runs the ones routed to its own experts, and the outputs are summed back onto their tokens' devices
+    (`models/moe.py`). Must divide the model's num_experts. 1 turns it off."""
     cp_ulysses: int = 1
     """Context (sequence) parallel devices, Ulysses style: training activations are split over the sequence, and
     an all-to-all around attention re-splits them over heads. Cuts activation memory per device, not param or
@@ -22,14 +28,15 @@ class MeshConfig:
     multiples of it, and one cp group must not span hosts. 1 turns it off."""
 
     def __post_init__(self) -> None:
-        for k in ("dp", "fsdp", "cp_ulysses"):
+        for k in ("dp", "fsdp", "expert", "cp_ulysses"):
             v = getattr(self, k)
             check(f"sharding.mesh.{k}", v, v == -1 or v >= 1, ">= 1 or -1 (the rest)")
-        axes = (self.dp, self.fsdp, self.cp_ulysses)
+        axes = (self.dp, self.fsdp, self.expert, self.cp_ulysses)
         check("sharding.mesh", axes, list(axes).count(-1) <= 1, "at most one axis set to -1")
 
-    def resolve(self, n_devices: int) -> tuple[int, int, int]:
-        sizes = [self.dp, self.fsdp, self.cp_ulysses]
+    def resolve(self, n_devices: int) -> tuple[int, int, int, int]:
+        """(dp, fsdp, expert, cp) sizes over `n_devices`: the mesh's shape in `sharding.axes.MESH_AXES` order."""
+        sizes = [self.dp, self.fsdp, self.expert, self.cp_ulysses]
         known = 1
         for s in sizes:
             if s != -1:
@@ -37,10 +44,10 @@ class MeshConfig:
         if n_devices % known != 0:
             raise ValueError(f"sharding.mesh={sizes} does not divide {n_devices} devices")
         sizes = [n_devices // known if s == -1 else s for s in sizes]
-        if sizes[0] * sizes[1] * sizes[2] != n_devices:
-            raise ValueError(f"sharding.mesh={sizes} uses {sizes[0] * sizes[1] * sizes[2]} devices, but {n_devices} "
-                             "are given")
-        return sizes[0], sizes[1], sizes[2]
+        used = sizes[0] * sizes[1] * sizes[2] * sizes[3]
+        if used != n_devices:
+            raise ValueError(f"sharding.mesh={sizes} uses {used} devices, but {n_devices} are given")
+        return sizes[0], sizes[1], sizes[2], sizes[3]
 
 
 @dataclass(frozen=True)

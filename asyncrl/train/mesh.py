@@ -1,9 +1,14 @@
 """The trainer's mesh, its shardings, and how each host's local batch becomes one global array.
 
-Mesh axes are ("dp", "fsdp", "cp"), all `AxisType.Explicit`:
+Mesh axes are ("dp", "fsdp", "expert", "cp"), all `AxisType.Explicit`:
 - dp: pure data parallel; params are replicated over it.
 - fsdp: the batch *and* params/optimizer state are split over it; `Model._use` all-gathers a weight right
   before use, and XLA reduce-scatters its gradient back.
+- expert: expert parallelism. A mixture-of-experts layer's experts (and their optimizer state) are split over it,
+  and stay split in use (`Model._use` gathers only their fsdp shards); every other weight is replicated over it.
+  The batch splits over it like over dp, so outside the MoE layers it is one more data axis; inside one, each
+  device all-gathers its expert group's tokens, runs those routed to its own experts and reduce-scatters the sum
+  back (`models/moe.py`). At expert = 1 nothing is split over it and the layouts are the dense ones.
 - cp: context (sequence) parallel, Ulysses style. The rules table maps the logical axis "seq" to it, so the
   sequence dim of the batch's [B, T] leaves and of every training activation [B, T, ...] is split over cp.
   Around attention an all-to-all swaps that split for a split over heads, attention runs on whole sequences,
@@ -34,7 +39,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from asyncrl.models.params import Params
-from asyncrl.sharding.axes import CP_AXIS, DATA_AXES, MESH_AXES
+from asyncrl.sharding.axes import CP_AXIS, DATA_AXES, EXPERT_AXIS, MESH_AXES
 from asyncrl.sharding.host import to_host
 from asyncrl.sharding.rules import ShardingRules, fsdp_rules
 from asyncrl.train.config import MeshConfig, ShardingConfig
@@ -44,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 def make_train_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ("dp", "fsdp", "cp") Explicit mesh over `devices` (default: every device of every process)."""
+    """A ("dp", "fsdp", "expert", "cp") Explicit mesh over `devices` (default: every device of every process)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = cfg.resolve(len(devices))
     types = (AxisType.Explicit,) * len(MESH_AXES)
@@ -66,7 +71,7 @@ def make_train_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None
 
 def train_rules(cfg: ShardingConfig) -> ShardingRules:
     return fsdp_rules(fsdp_axis="fsdp", shard_logical=cfg.fsdp_axis, min_bytes=cfg.min_bytes_for_fsdp,
-                      data_axes=DATA_AXES).replace(seq=CP_AXIS)
+                      data_axes=DATA_AXES).replace(seq=CP_AXIS, expert=EXPERT_AXIS)
 
 
 def _seq_axes(mesh: Mesh, cfg: ShardingConfig) -> tuple[str, ...]:

@@ -55,7 +55,7 @@ def place(tree: Any, shardings: Any) -> Any:
 
 
 class Trainer:
-    """Owns the fp32 master params and AdamW state on the ("dp", "fsdp", "cp") mesh.
+    """Owns the fp32 master params and AdamW state on the ("dp", "fsdp", "expert", "cp") mesh.
 
     `version` is the weight version the current params represent: 0 before any step, +1 per step. A rollout's
     lag is `version - rollout.oldest_version` at the time it is trained on.
@@ -109,13 +109,17 @@ class Trainer:
         if self.lora is not None:
             self._synced_shardings = {full: lora_lib.synced(self.shardings.params, full, self.lora.freeze_a)
                                       for full in (True, False)}
-        n_data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+        ep = self.mesh.shape["expert"]
+        if ep > 1 and (not model.cfg.is_moe or model.cfg.num_experts % ep):
+            raise ConfigError(f"sharding.mesh.expert={ep} splits a mixture-of-experts model's experts: it must divide "
+                              f"model.num_experts={model.cfg.num_experts} (model.family={model.cfg.family!r})")
+        n_data = self.mesh.shape["dp"] * self.mesh.shape["fsdp"] * ep
         k = train_cfg.updates_per_step
         micro = train_cfg.train_batch_size // (train_cfg.grad_accum_steps * k)
         if micro % n_data:
             raise ValueError(f"train.train_batch_size / (train.updates_per_step x train.grad_accum_steps) = {micro} "
                              f"sequences per micro-batch must divide over the {n_data} data-parallel devices "
-                             "(dp x fsdp)")
+                             "(dp x fsdp x expert)")
         compute = None if train_cfg.compute_dtype == "float32" else jnp.dtype(train_cfg.compute_dtype)
         self.ref_dtype = compute or MASTER_DTYPE
         self.ref_shardings, ref_compute = self.base_shardings, None
