@@ -83,8 +83,8 @@ def test_a_user_environment_is_resolved_and_its_package_is_shipped(user_pkg):
     ("count_env.marked:os", "count_env.marked:os is a module, not an asyncrl.envs.EnvironmentSpec"),
     ("count_env.env:BAD_TASK", "EnvironmentSpec.task='two_args' cannot be called as task(source, task_config, where)"),
     ("count_env.env:BAD_EPISODE", "EnvironmentSpec.episode='Episode' cannot be called as episode(prompt_ids, sample"),
-    ("count_env.env", "must be a built-in environment (digits, lookup, math_file, reasoning_gym, textarena) or an "
-                      "import path"),
+    ("count_env.env", "must be a built-in environment (agent, digits, lookup, math_file, reasoning_gym, textarena) "
+                      "or an import path"),
 ])
 def test_a_bad_environment_names_the_key(user_pkg, name, message):
     with open(user_pkg / "env.py", "a") as f:

@@ -1,7 +1,11 @@
 """The decode thread of a served engine: requests come in from the HTTP side, the engine's own continuous batching
-samples them (`Engine.generate(..., drain=False)` and `Engine.advance`, as the inference worker's replica loop
-drives it), and each finished group resolves its request's future. Admission is bounded: past `max_queued`
-requests at once, `submit` refuses (the server answers 429) instead of queueing without end."""
+samples them (`Engine.generate(..., drain=False)` and `Engine.advance`), and each finished group resolves its
+request's future. Admission is bounded: past `max_queued` requests at once, `submit` refuses (the server answers
+429) instead of queueing without end.
+
+Standalone, `start()` runs that loop on a thread of its own. In a run the inference worker's replica loop drives the
+engine instead (one decode loop, whoever submits): it takes the endpoint's requests with `take` beside its own
+prompts, and hands every finished group to `finish`, which keeps the endpoint's."""
 
 from __future__ import annotations
 
@@ -58,38 +62,45 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _take(self, wait: bool) -> list[Request]:
-        """Up to max_prefill_prompts new requests; waits a moment only when the engine has nothing to do (a busy
-        one must not pay a wait per decode call)."""
+    def take(self, wait: bool, limit: int | None = None) -> list[Request]:
+        """Up to `limit` (max_prefill_prompts) new requests; waits a moment only when the engine has nothing to do
+        (a busy one must not pay a wait per decode call)."""
+        limit = self.engine.P if limit is None else limit
         out: list[Request] = []
         try:
-            out.append(self._inbox.get(timeout=0.05) if wait else self._inbox.get_nowait())
-            while len(out) < self.engine.P:
-                out.append(self._inbox.get_nowait())
+            while len(out) < limit:
+                out.append(self._inbox.get(timeout=0.05) if wait and not out else self._inbox.get_nowait())
         except queue.Empty:
             pass
         return out
 
-    def _done(self, rollout: Rollout) -> None:
+    def finish(self, rollout: Rollout) -> bool:
+        """Resolve the future of an endpoint request's group; False if `rollout` is not one (the caller's own)."""
         with self._lock:
             _, fut = self._futures.pop(id(rollout.prompt), (None, None))
-        if fut is not None:
-            fut.set_result(rollout)
+        if fut is None:
+            return False
+        fut.set_result(rollout)
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        """The decode loop died: every waiting request learns why, none hangs, and later submits are refused."""
+        with self._lock:
+            self.error = error
+            pending, self._futures = list(self._futures.values()), {}
+        for _, fut in pending:
+            fut.set_exception(RuntimeError(f"the engine loop failed: {error!r}"))
 
     def _run(self) -> None:
         eng = self.engine
         try:
             while not self._stop.is_set():
                 eng.between_loops()
-                reqs = self._take(wait=not eng.busy)
+                reqs = self.take(wait=not eng.busy)
                 if reqs:
-                    eng.generate(reqs, drain=False, on_group=self._done)
+                    eng.generate(reqs, drain=False, on_group=self.finish)
                 elif eng.busy:
-                    eng.advance(on_group=self._done)
+                    eng.advance(on_group=self.finish)
         except BaseException as e:  # noqa: BLE001 - every waiting request learns why, none hangs
             log.exception("the endpoint's engine loop failed")
-            with self._lock:
-                self.error = e
-                pending, self._futures = list(self._futures.values()), {}
-            for _, fut in pending:
-                fut.set_exception(RuntimeError(f"the engine loop failed: {e!r}"))
+            self.fail(e)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +124,7 @@ class SessionStore:
         self.sessions: dict[str, list[Branch]] = {}
         self.closed: set[str] = set()  # ended sessions: a late call (a timed-out agent's) is refused
         self._renderers: dict[str, ObservationRenderer] = {}
+        self._lock = threading.Lock()
 
     def _renderer(self, server: Any, tools: list[dict[str, Any]], key: str) -> ObservationRenderer:
         if key not in self._renderers:
@@ -135,31 +137,10 @@ class SessionStore:
         if req.sampling.n != 1:
             raise ApiError(400, "n: a session's call samples one choice (its episode has one history)", "n")
         sid, key = req.session, json.dumps(req.tools, sort_keys=True)
-        if sid in self.closed:
-            raise ApiError(409, f"session_id: session {sid!r} has ended", "session_id")
-        branches = self.sessions.setdefault(sid, [])  # type: ignore[arg-type]
-        # Routing takes no await: calls run on one event loop, so two cannot both take a branch.
-        branch = next((b for b in reversed(branches) if b.extends(req.messages, key)), None)
-        if branch is not None:
-            obs = self._renderer(server, req.tools, key).after(branch.last.tokens, req.messages[len(branch.messages):])
-            server.check_context(branch.ids + obs, "messages")
-            prompt_ids = branch.ids + obs
-            waiter: Future = Future()
-            branch.busy = True
-            branch.env.inbox.put(_Command(observation=obs, waiter=waiter))
-        else:
-            prompt_ids = server.chat.prompt_ids(req.messages, req.tools)
-            server.check_context(prompt_ids, "messages")
-            waiter = Future()
-            env = SessionEnv(prompt_ids, self.idle_s, waiter)
-            index = len(branches)
-            prompt = Prompt(server.next_position(), SessionSample(sid, index), 1)  # type: ignore[arg-type]
-            try:
-                rollout = server.loop.submit(Request(prompt, prompt_ids, [env]))
-            except Overloaded as e:
-                raise ApiError(429, f"the engine is at capacity: {e}; retry later", None, "rate_limit_exceeded") from e
-            branch = Branch(index, key, env, rollout)
-            branches.append(branch)
+        # Routing takes no await: calls run on one event loop, so two cannot both take a branch. `end` runs on an
+        # agent's thread: the lock keeps a call from opening a branch of a session that `end` has just taken.
+        with self._lock:
+            branch, prompt_ids, waiter = self._route(server, req, sid, key)  # type: ignore[arg-type]
         turn = await self._turn(server, branch, waiter)
         reply = server.chat.reply(turn.tokens, req.tools if req.tool_choice != "none" else [],
                                   turn.finish == "length")
@@ -168,6 +149,35 @@ class SessionStore:
         out = TurnOut(turn.tokens, turn.logprobs, turn.forced, turn.versions, turn.finish == "length")
         extra = {"session_id": sid, "branch": branch.index, "turn": turn.index}
         return await server.answer_chat(request, req, prompt_ids, [out], extra, [reply])
+
+    def _route(self, server: Any, req: ChatRequest, sid: str, key: str) -> tuple[Branch, list[int], Future]:
+        """The branch this call continues (its observation sent to the episode) or a new one (submitted)."""
+        if sid in self.closed:
+            raise ApiError(409, f"session_id: session {sid!r} has ended", "session_id")
+        branches = self.sessions.setdefault(sid, [])
+        branch = next((b for b in reversed(branches) if b.extends(req.messages, key)), None)
+        waiter: Future = Future()
+        if branch is not None:
+            obs = self._renderer(server, req.tools, key).after(branch.last.tokens, req.messages[len(branch.messages):])
+            server.check_context(branch.ids + obs, "messages")
+            prompt_ids = branch.ids + obs
+            branch.busy = True
+            branch.env.inbox.put(_Command(observation=obs, waiter=waiter))
+            return branch, prompt_ids, waiter
+        prompt_ids = server.chat.prompt_ids(req.messages, req.tools)
+        server.check_context(prompt_ids, "messages")
+        env = SessionEnv(prompt_ids, self.idle_s, waiter)
+        index = len(branches)
+        prompt = Prompt(server.next_position(), SessionSample(sid, index), 1)  # type: ignore[arg-type]
+        try:
+            rollout = server.loop.submit(Request(prompt, prompt_ids, [env]))
+        except Overloaded as e:
+            if not branches:
+                del self.sessions[sid]
+            raise ApiError(429, f"the engine is at capacity: {e}; retry later", None, "rate_limit_exceeded") from e
+        branch = Branch(index, key, env, rollout)
+        branches.append(branch)
+        return branch, prompt_ids, waiter
 
     @staticmethod
     def _message(reply: Reply) -> dict[str, Any]:
@@ -190,8 +200,11 @@ class SessionStore:
                        "timeout")
 
     def end(self, session: str, reward: float, reason: str = "done", timeout: float = 60.0) -> list[Rollout]:
-        """End every branch of `session` with `reward`; returns their rollouts once the engine has emitted them."""
-        branches = self.sessions.pop(session, [])
+        """End every branch of `session` with `reward`; returns their rollouts once the engine has emitted them.
+        The session is closed first: a later call naming it (a timed-out agent's) is refused, never a new branch."""
+        with self._lock:
+            self.closed.add(session)
+            branches = self.sessions.pop(session, [])
         for b in branches:
             b.env.inbox.put(_Command(reward=reward, reason=reason))
         return [b.rollout.result(timeout) for b in branches]

@@ -13,8 +13,9 @@ Ray pickles them to the host actors like any dataclass.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from asyncrl.endpoint.config import AgentConfig, EndpointConfig
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.models.section import ModelSection
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
@@ -73,6 +74,10 @@ class InferenceRoleConfig:
     """`run.seed`: the replicas' sampling."""
     eval_prompts: int
     """`eval.num_prompts`: the bound of the eval shipping lane."""
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    """`endpoint`: the OpenAI-compatible server a host with agent sources runs over its first replica."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """`agent`: the function that plays `environment: agent` sources."""
 
 
 @dataclass(frozen=True)
