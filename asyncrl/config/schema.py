@@ -63,7 +63,8 @@ class Config:
         if agents:
             check("agent.fn", self.agent.fn, bool(self.agent.fn),
                   f"an import path 'package.module:function' (task.sources[{agents[0]}] is environment: agent)")
-            check("endpoint.max_queued", self.endpoint.max_queued, self.endpoint.max_queued >= self.agent.workers,
+            check("endpoint.max_sessions", self.endpoint.max_sessions,
+                  self.endpoint.max_sessions >= self.agent.workers,
                   f">= agent.workers={self.agent.workers} (each running agent's session holds one)")
 
         cp = self.sharding.mesh.cp_ulysses

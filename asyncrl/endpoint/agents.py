@@ -102,7 +102,10 @@ class AgentRunner:
             started.set()
             return self.fn(view.base_url, view.api_key, view)
 
-        fut = self.pool.submit(call)
+        try:
+            fut = self.pool.submit(call)
+        except RuntimeError as e:  # the runner was closed (the host is stopping): the episode ends, unplayed
+            return [(np.zeros(0, np.int32), _empty("agent_error", f"the agent pool is shut down: {e}"))]
         store = self.server.sessions
         try:
             while not started.wait(1.0):  # queued behind other agents: that time is not this agent's

@@ -24,6 +24,10 @@ class EndpointConfig:
     max_queued: int = 64
     """Requests admitted at once (waiting for the engine or decoding). One more is answered 429 at once rather
     than queued without bound: an agent's client retries, the engine is never flooded."""
+    max_sessions: int = 64
+    """Sessions' episodes open at once (a session's branch holds one from its first call until its agent's episode
+    ends, or `session_idle_s` after its last call). Counted apart from `max_queued`, so that idle sessions cannot
+    hold off plain requests; one more is answered 429. A run's agents need one each: at least `agent.workers`."""
     max_n: int = 16
     """Largest `n` (choices per request): a group of n samples takes n decode rows."""
     request_timeout_s: float = 600.0
@@ -44,6 +48,7 @@ class EndpointConfig:
                               "bearer token")
         check("endpoint.model", self.model, bool(self.model), "a non-empty name")
         check("endpoint.max_queued", self.max_queued, self.max_queued >= 1, ">= 1")
+        check("endpoint.max_sessions", self.max_sessions, self.max_sessions >= 1, ">= 1")
         check("endpoint.max_n", self.max_n, self.max_n >= 1, ">= 1")
         check("endpoint.session_idle_s", self.session_idle_s, self.session_idle_s > 0, "> 0")
         check("endpoint.request_timeout_s", self.request_timeout_s, self.request_timeout_s > 0, "> 0")

@@ -31,7 +31,8 @@ class HostAgents:
     def __init__(self, engine: Engine, endpoint: EndpointConfig, agent: AgentConfig, group_size: int,
                  on_group: Callable[[Rollout], None], on_error: Callable[[BaseException], None],
                  grade: Callable[[str, Any], float] | None = None, tool_format: str = "auto"):
-        self.loop = EngineLoop(engine, endpoint.max_queued)  # driven by the worker's replica loop, not started
+        # Driven by the worker's replica loop, not started.
+        self.loop = EngineLoop(engine, endpoint.max_queued, endpoint.max_sessions)
         self.server = EndpointServer(endpoint, self.loop, ChatFormat(engine.tokenizer, tool_format))
         self.runner = AgentRunner(self.server, agent, grade=grade)
         # A group waits on its n agents: as many groups at once as keep `agent.workers` agents busy.

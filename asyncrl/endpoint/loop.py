@@ -27,8 +27,9 @@ class Overloaded(Exception):
 class EngineLoop:
     """Owns `engine` on one thread. `submit` is thread-safe; the returned future gets the request's `Rollout`."""
 
-    def __init__(self, engine: Engine, max_queued: int):
-        self.engine, self.max_queued = engine, max_queued
+    def __init__(self, engine: Engine, max_queued: int, max_sessions: int = 64):
+        self.engine, self.max_queued, self.max_sessions = engine, max_queued, max_sessions
+        self._session_ids: set[int] = set()
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._futures: dict[int, tuple[Request, Future]] = {}  # id(prompt) -> its request and future
         self._lock = threading.Lock()
@@ -38,18 +39,32 @@ class EngineLoop:
 
     @property
     def admitted(self) -> int:
+        """Plain requests in flight (sessions' episodes apart)."""
         with self._lock:
-            return len(self._futures)
+            return len(self._futures) - len(self._session_ids)
 
-    def submit(self, request: Request) -> Future:
+    @property
+    def sessions(self) -> int:
+        with self._lock:
+            return len(self._session_ids)
+
+    def submit(self, request: Request, session: bool = False) -> Future:
+        """`session`: the episode of a session's branch, which lives as long as its agent keeps calling (up to
+        `endpoint.session_idle_s` idle). Those count against `max_sessions`, apart from `max_queued`: sessions left
+        idle can fill their own bound, never hold off plain requests."""
         fut: Future = Future()
         with self._lock:
             if self.error is not None:
                 raise RuntimeError(f"the engine loop failed: {self.error!r}")
-            if len(self._futures) >= self.max_queued:
-                raise Overloaded(f"{len(self._futures)} requests are in flight (endpoint.max_queued="
-                                 f"{self.max_queued})")
+            if session and len(self._session_ids) >= self.max_sessions:
+                raise Overloaded(f"{len(self._session_ids)} session episodes are open (endpoint.max_sessions="
+                                 f"{self.max_sessions})")
+            if not session and len(self._futures) - len(self._session_ids) >= self.max_queued:
+                raise Overloaded(f"{len(self._futures) - len(self._session_ids)} requests are in flight "
+                                 f"(endpoint.max_queued={self.max_queued})")
             self._futures[id(request.prompt)] = (request, fut)
+            if session:
+                self._session_ids.add(id(request.prompt))
         self._inbox.put(request)
         return fut
 
@@ -78,6 +93,7 @@ class EngineLoop:
         """Resolve the future of an endpoint request's group; False if `rollout` is not one (the caller's own)."""
         with self._lock:
             _, fut = self._futures.pop(id(rollout.prompt), (None, None))
+            self._session_ids.discard(id(rollout.prompt))
         if fut is None:
             return False
         fut.set_result(rollout)
@@ -88,6 +104,7 @@ class EngineLoop:
         with self._lock:
             self.error = error
             pending, self._futures = list(self._futures.values()), {}
+            self._session_ids.clear()
         for _, fut in pending:
             fut.set_exception(RuntimeError(f"the engine loop failed: {error!r}"))
 
