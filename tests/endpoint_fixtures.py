@@ -31,10 +31,11 @@ def qwen3_tokenizer(folder: str) -> Tokenizer:
     return Tokenizer.from_folder(build_qwen3_tokenizer(folder))
 
 
-def tool_call_model(tok: Tokenizer) -> tuple[Model, object]:
+def tool_call_model(tok: Tokenizer, scale: float = 6.0) -> tuple[Model, object]:
     """Attention and MLP write nothing (wo = w_down = 0), so a position's residual is its token's embedding and the
     LM head reads the next token from it: a bigram table. After the assistant header's "\\n" it writes `CALL`,
-    whose tokens are all distinct (so each has one successor), and ends with `<|im_end|>`."""
+    whose tokens are all distinct (so each has one successor), and ends with `<|im_end|>`. `scale`: the successor's
+    logit (6: greedy decoding follows the chain; 20: sampling at temperature 1 follows it with p ~0.99 a token)."""
     (nl,) = tok.encode("\n")
     chain = [nl] + tok.encode(CALL)
     assert len(set(chain)) == len(chain)
@@ -44,7 +45,7 @@ def tool_call_model(tok: Tokenizer) -> tuple[Model, object]:
     embed /= np.linalg.norm(embed, axis=1, keepdims=True)
     head = np.zeros(p.lm_head.shape, np.float32)
     for a, b in zip(chain, chain[1:]):
-        head[:, b] = 6.0 * embed[a]
+        head[:, b] = scale * embed[a]
     layers = dataclasses.replace(p.layers, wo=jnp.zeros_like(p.layers.wo), w_down=jnp.zeros_like(p.layers.w_down))
     return model, dataclasses.replace(p, embed=jnp.asarray(embed), lm_head=jnp.asarray(head), layers=layers)
 
@@ -52,7 +53,8 @@ def tool_call_model(tok: Tokenizer) -> tuple[Model, object]:
 def serve(model: Model, params: object, tok: Tokenizer, cfg: EndpointConfig | None = None,
           inference: InferenceConfig = CFG) -> EndpointServer:
     engine = Engine(model, params, inference, tok, seed=0)
-    loop = EngineLoop(engine, (cfg or EndpointConfig()).max_queued)
+    cfg = cfg or EndpointConfig()
+    loop = EngineLoop(engine, cfg.max_queued, cfg.max_sessions)
     loop.start()
     server = EndpointServer(cfg or EndpointConfig(), loop, ChatFormat(tok))
     server.start()

@@ -6,6 +6,8 @@ as a group's episodes, and the ways they fail."""
 
 from __future__ import annotations
 
+import time
+
 import jax.numpy as jnp
 import numpy as np
 import openai
@@ -134,3 +136,54 @@ def test_an_agent_path_is_checked(setup):
         resolve("tests.endpoint_agents")
     with pytest.raises(ConfigError, match="cannot be imported"):
         resolve("tests.endpoint_agents:missing")
+
+
+# ---- bounds and teardown (found in review) ---------------------------------------------------------------------------
+
+def test_a_call_after_end_is_refused_and_opens_no_branch(setup):
+    server, client = setup[3], setup[-1]
+    _agent_calls(client, "s4", "Add one to 1.", calls=1)
+    server.sessions.end("s4", reward=0.0)
+    with pytest.raises(openai.ConflictError):
+        client.chat.completions.create(model="asyncrl", messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"session_id": "s4"})
+    assert "s4" not in server.sessions.sessions and server.loop.sessions == 0
+
+
+def test_idle_sessions_have_their_own_bound_and_are_forgotten(setup, monkeypatch):
+    """Open sessions count against endpoint.max_sessions, never max_queued: idle ones cannot hold off plain requests.
+    A session nobody ends is forgotten once its episode has been over for session_idle_s."""
+    server, client = setup[3], setup[-1]
+    store, loop = server.sessions, server.loop
+    monkeypatch.setattr(loop, "max_sessions", 1)
+    monkeypatch.setattr(store, "idle_s", 0.5)
+    _agent_calls(client, "idle", "Add one to 1.", calls=1)  # its episode now waits for a next call
+    assert loop.sessions == 1 and loop.admitted == 0
+    with pytest.raises(openai.RateLimitError) as e:
+        _agent_calls(client, "other", "Add one to 2.", calls=1)
+    assert "endpoint.max_sessions=1" in e.value.body["message"] and "other" not in store.sessions
+    plain = client.chat.completions.create(model="asyncrl", messages=[{"role": "user", "content": "x"}])
+    assert plain.choices[0].finish_reason in ("stop", "tool_calls")  # served beside the idle session
+    (branch,) = store.sessions["idle"]
+    branch.rollout.result(30)  # idle past session_idle_s: its episode ended ("session_idle")
+    assert branch.rollout.result().completions[0].reason == "session_idle" and loop.sessions == 0
+    time.sleep(0.6)
+    _agent_calls(client, "later", "Add one to 3.", calls=1)  # a new session sweeps the forgotten one
+    assert "idle" not in store.sessions and "later" in store.sessions
+    store.end("later", 0.0)
+
+
+def test_renderers_are_bounded(setup, monkeypatch):
+    server = setup[3]
+    store = server.sessions
+    monkeypatch.setattr(store, "MAX_RENDERERS", 1)
+    store._renderer(server, TOOLS, "a")
+    store._renderer(server, [], "b")
+    assert list(store._renderers) == ["b"]
+
+
+def test_an_agent_runner_shuts_its_pool_down(setup):
+    runner = AgentRunner(setup[3], AgentConfig(fn="tests.endpoint_agents:never_calls", timeout_s=5))
+    runner.close()
+    (c,) = runner.run_group(Prompt(2, "x", 1)).completions
+    assert c.end_reason == "agent_error" and "shutdown" in c.env_info[0]["error"]

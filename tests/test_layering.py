@@ -32,12 +32,13 @@ DIRECT = {
     "envs": {"tasks", "tools", "rollout", "validate"},  # what a completion is sampled in (the protocol: rollout)
     "inference": {"models", "ops", "sharding", "validate", "rollout"},
     "train": {"models", "ops", "sharding", "validate", "rollout"},  # batch -> step math: no inference, no queues
-    "orchestration": {"inference", "train", "tasks", "envs", "weightsync", "models", "sharding", "validate",
-                      "rollout"},
     # the OpenAI-compatible server over an engine, its sessions and agents
     "endpoint": {"inference", "envs", "tools", "models", "rollout", "validate"},
+    "orchestration": {"inference", "train", "tasks", "envs", "endpoint", "weightsync", "models", "sharding",
+                      "validate", "rollout"},
     "aot": {"inference", "train", "models", "sharding"},
-    "config": {"inference", "orchestration", "tasks", "tools", "train", "weightsync", "validate"},  # the run's config
+    "config": {"inference", "orchestration", "endpoint", "tasks", "tools", "train", "weightsync",
+               "validate"},  # the run's config
     "plan": {"config", "aot"},  # the pipeline model: a run's config, and at target scale the compiled programs' costs
     "cli": {"config", "orchestration", "aot", "plan", "inference", "envs", "tasks", "models", "rollout", "validate"},
     "generate": {"cli"},  # `python -m asyncrl.generate`, kept

@@ -83,8 +83,8 @@ def test_a_user_environment_is_resolved_and_its_package_is_shipped(user_pkg):
     ("count_env.marked:os", "count_env.marked:os is a module, not an asyncrl.envs.EnvironmentSpec"),
     ("count_env.env:BAD_TASK", "EnvironmentSpec.task='two_args' cannot be called as task(source, task_config, where)"),
     ("count_env.env:BAD_EPISODE", "EnvironmentSpec.episode='Episode' cannot be called as episode(prompt_ids, sample"),
-    ("count_env.env", "must be a built-in environment (digits, lookup, math_file, reasoning_gym, textarena) or an "
-                      "import path"),
+    ("count_env.env", "must be a built-in environment (agent, digits, lookup, math_file, reasoning_gym, textarena) "
+                      "or an import path"),
 ])
 def test_a_bad_environment_names_the_key(user_pkg, name, message):
     with open(user_pkg / "env.py", "a") as f:
@@ -152,3 +152,25 @@ def test_a_user_environment_trains_on_three_hosts(tmp_path, user_pkg):
     assert {h["pid"] for h in hosts} <= set(made), (hosts, made)  # every host built the user's task
     for pid in (h["pid"] for h in hosts):  # from Ray's uploaded copy, not from the folder on the driver's path
         assert made[pid].endswith(os.path.join("count_env", "env.py")) and not made[pid].startswith(str(user_pkg))
+
+
+def test_an_agent_source_is_checked_before_anything_starts(tmp_path, monkeypatch):
+    """`environment: agent` needs `agent.fn`; a path that does not import fails naming agent.fn; a good one's
+    package is shipped like an environment's."""
+    from asyncrl.config.loader import load_config
+
+    source = "task.sources=[{environment: agent, options: {task: digits}}]"
+    with pytest.raises(ConfigError, match=r"agent.fn='' is invalid: must be an import path"):
+        load_config("default", [source])
+    cfg = load_config("default", [source, "agent.fn=no_such_agent.mod:run"])
+    with pytest.raises(ConfigError, match=r"agent.fn='no_such_agent.mod:run' cannot be imported"):
+        import_environments(cfg.task, cfg.agent.fn)
+    pkg = tmp_path / "my_agent"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def run(base_url, api_key, sample):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_environments(cfg.task, "my_agent:run") == [str(pkg)]
+    with pytest.raises(ConfigError, match=r"task.sources\[0\].options.task='agent' is invalid"):
+        from asyncrl.envs import build_sources
+
+        build_sources(TaskConfig(sources=[TaskSourceConfig(environment="agent", options={"task": "agent"})]))

@@ -26,7 +26,8 @@ def main(command: str, argv: Sequence[str]) -> int:
 
         try:
             cfg = load_config(*split_config_name(rest))  # validate here, not minutes later on the cluster
-            py_modules = import_environments(cfg.task)  # the user's environment packages travel with the job
+            # The user's environment and agent packages travel with the job.
+            py_modules = import_environments(cfg.task, cfg.agent.fn)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2

@@ -15,7 +15,7 @@ def main(argv: Sequence[str]) -> int:
 
     try:
         cfg = load_config(*split_config_name(argv))
-        import_environments(cfg.task)  # a bad environment fails now, naming its key, before Ray starts
+        import_environments(cfg.task, cfg.agent.fn)  # a bad environment or agent fails now, naming its key
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from asyncrl.endpoint.config import AgentConfig, EndpointConfig
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.models.section import ModelSection
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
@@ -35,6 +36,10 @@ class Config:
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     """The tools of task sources played with tools (`task.sources[i].tools=true`)."""
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    """The OpenAI-compatible server each inference host runs when a source is `environment: agent`."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The agent function that plays `environment: agent` sources (`agent.fn: my_pkg.agent:run`)."""
 
     def __post_init__(self) -> None:
         validate_loss(self.loss)
@@ -53,6 +58,14 @@ class Config:
         prompts = self.train.train_batch_size // g
         check("train.train_batch_size", self.train.train_batch_size, prompts % tw == 0,
               f"such that prompts per step ({prompts}) divide over async.train_workers={tw}")
+
+        agents = [i for i, s in enumerate(self.task.sources) if s.environment == "agent"]
+        if agents:
+            check("agent.fn", self.agent.fn, bool(self.agent.fn),
+                  f"an import path 'package.module:function' (task.sources[{agents[0]}] is environment: agent)")
+            check("endpoint.max_sessions", self.endpoint.max_sessions,
+                  self.endpoint.max_sessions >= self.agent.workers,
+                  f">= agent.workers={self.agent.workers} (each running agent's session holds one)")
 
         cp = self.sharding.mesh.cp_ulysses
         if cp > 1:
@@ -77,7 +90,7 @@ class Config:
         return InferenceRoleConfig(
             model=self.model, inference=self.inference, task=self.task, tools=self.tools, async_=self.async_,
             weightsync=self.weightsync, lora=self.train.lora, seed=self.run.seed, eval_prompts=self.eval.num_prompts,
-            moe=self.train.moe)
+            moe=self.train.moe, endpoint=self.endpoint, agent=self.agent)
 
     def host_config(self) -> HostConfig:
         return HostConfig(train_workers=self.async_.train_workers, log_level=self.logging.level,

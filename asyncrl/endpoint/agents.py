@@ -1,18 +1,21 @@
 """Agents as environments: `agent.fn: my_pkg.agent:run` names a function `(base_url, api_key, sample) -> reward`
-that talks to the endpoint with any OpenAI client, as many calls as it likes, concurrently, with tools.
+(a number; or the agent's final answer as text, which the task's verifier grades) that talks to the endpoint with
+any OpenAI client, as many calls as it likes, concurrently, with tools.
 
 Each sample of a group is one session (`sessions.py`): the agent's calls carry its `session_id` (given to the
 function in its sample view, `AgentSample`, and as the default body field of a client made by
 `AgentSample.client()`). The function runs on a bounded pool of threads, never the decode thread. Its return ends the
 session with that reward; an agent that raises, runs past `agent.timeout_s`, or never calls the endpoint ends its
 episode with a reason ("agent_error", "agent_timeout", "agent_no_call") and the group goes on without it failing the
-run. A timed-out agent's thread cannot be killed: its session is closed, so its later calls are refused (409), and it
+run. Its `agent.timeout_s` counts from the moment the function starts on the pool, not from when it was queued. A
+timed-out agent's thread cannot be killed: its session is closed, so its later calls are refused (409), and it
 holds its pool thread until it returns."""
 
 from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -21,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.endpoint.config import AgentConfig
 from asyncrl.rollout import Completion, Prompt, Rollout
-from asyncrl.validate import ConfigError, check, check_choice
+from asyncrl.validate import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -41,24 +45,6 @@ def resolve(path: str, field: str = "agent.fn") -> Callable[..., Any]:
     if not callable(obj):
         raise ConfigError(f"{field}={path!r} is not callable")
     return obj
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    fn: str = ""
-    """The agent, by import path: 'my_pkg.agent:run', called as run(base_url, api_key, sample) -> reward."""
-    timeout_s: float = 300.0
-    """Wall time one agent may take; past it its episode ends ('agent_timeout')."""
-    workers: int = 32
-    """Agents run at once per host (threads)."""
-    branches: str = "drop"
-    """What the trainer gets of a session whose agent edited its history: 'drop' trains the last branch only (the
-    earlier ones stay in its `env_info`), 'keep' trains every branch as its own trajectory in the group."""
-
-    def __post_init__(self) -> None:
-        check("agent.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
-        check("agent.workers", self.workers, self.workers >= 1, ">= 1")
-        check_choice("agent.branches", self.branches, ("drop", "keep"))
 
 
 @dataclass(frozen=True)
@@ -87,24 +73,50 @@ def _empty(reason: str, error: str = "") -> Completion:
 class AgentRunner:
     """Runs one agent function over a server's sessions. `run_group(prompt)` samples `prompt.n` episodes."""
 
-    def __init__(self, server: Any, cfg: AgentConfig, fn: Callable[..., Any] | None = None):
-        self.server, self.cfg = server, cfg
+    def __init__(self, server: Any, cfg: AgentConfig, fn: Callable[..., Any] | None = None,
+                 grade: Callable[[str, Any], float] | None = None):
+        """`grade(answer, sample) -> reward`: how an agent's text answer is scored (the task's verifier in a run);
+        None: an agent must return a number."""
+        self.server, self.cfg, self.grade = server, cfg, grade
         self.fn = fn if fn is not None else resolve(cfg.fn)
         self.pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="agent")
+
+    def close(self) -> None:
+        """Stop taking agents; queued ones are cancelled. Running ones cannot be killed: their sessions are closed
+        by `_episode` as they time out, and their threads end with them."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _reward(self, out: Any, sample: Any) -> float:
+        if isinstance(out, str):
+            if self.grade is None:
+                raise TypeError("the agent returned text, and this runner has no verifier to grade it")
+            return float(self.grade(out, sample))
+        return float(out)
 
     def _episode(self, prompt: Prompt) -> list[tuple[np.ndarray, Completion]]:
         sid = f"agent-{uuid.uuid4().hex}"
         view = AgentSample(prompt.sample, sid, self.server.url, self.server.cfg.api_key or "none")
-        fut = self.pool.submit(self.fn, view.base_url, view.api_key, view)
+        started = threading.Event()
+
+        def call() -> Any:
+            started.set()
+            return self.fn(view.base_url, view.api_key, view)
+
+        try:
+            fut = self.pool.submit(call)
+        except RuntimeError as e:  # the runner was closed (the host is stopping): the episode ends, unplayed
+            return [(np.zeros(0, np.int32), _empty("agent_error", f"the agent pool is shut down: {e}"))]
         store = self.server.sessions
         try:
-            reward, reason, error = float(fut.result(self.cfg.timeout_s)), "done", ""
+            while not started.wait(1.0):  # queued behind other agents: that time is not this agent's
+                if fut.done():
+                    break
+            reward, reason, error = self._reward(fut.result(self.cfg.timeout_s), prompt.sample), "done", ""
         except FutureTimeout:
             reward, reason, error = 0.0, "agent_timeout", f"no return within agent.timeout_s={self.cfg.timeout_s}"
         except Exception as e:  # noqa: BLE001 - an agent's failure ends its episode, never the run
             log.warning("agent %s failed on %s: %r", self.cfg.fn, prompt.id, e)
             reward, reason, error = 0.0, "agent_error", repr(e)
-        store.closed.add(sid)
         try:
             rollouts = store.end(sid, reward, reason)
         except Exception as e:  # noqa: BLE001 - a branch whose turn never ends fails its episode, not the group

@@ -1,10 +1,11 @@
-"""The `endpoint` section: where the OpenAI-compatible server listens, who may call it, and its bounds."""
+"""The `endpoint` section (where the OpenAI-compatible server listens, who may call it, and its bounds) and the
+`agent` section (the function that plays `environment: agent` sources through it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncrl.validate import ConfigError, check
+from asyncrl.validate import ConfigError, check, check_choice
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -23,6 +24,10 @@ class EndpointConfig:
     max_queued: int = 64
     """Requests admitted at once (waiting for the engine or decoding). One more is answered 429 at once rather
     than queued without bound: an agent's client retries, the engine is never flooded."""
+    max_sessions: int = 64
+    """Sessions' episodes open at once (a session's branch holds one from its first call until its agent's episode
+    ends, or `session_idle_s` after its last call). Counted apart from `max_queued`, so that idle sessions cannot
+    hold off plain requests; one more is answered 429. A run's agents need one each: at least `agent.workers`."""
     max_n: int = 16
     """Largest `n` (choices per request): a group of n samples takes n decode rows."""
     request_timeout_s: float = 600.0
@@ -43,6 +48,25 @@ class EndpointConfig:
                               "bearer token")
         check("endpoint.model", self.model, bool(self.model), "a non-empty name")
         check("endpoint.max_queued", self.max_queued, self.max_queued >= 1, ">= 1")
+        check("endpoint.max_sessions", self.max_sessions, self.max_sessions >= 1, ">= 1")
         check("endpoint.max_n", self.max_n, self.max_n >= 1, ">= 1")
         check("endpoint.session_idle_s", self.session_idle_s, self.session_idle_s > 0, "> 0")
         check("endpoint.request_timeout_s", self.request_timeout_s, self.request_timeout_s > 0, "> 0")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    fn: str = ""
+    """The agent, by import path: 'my_pkg.agent:run', called as run(base_url, api_key, sample) -> reward."""
+    timeout_s: float = 300.0
+    """Wall time one agent may take; past it its episode ends ('agent_timeout')."""
+    workers: int = 32
+    """Agents run at once per host (threads)."""
+    branches: str = "drop"
+    """What the trainer gets of a session whose agent edited its history: 'drop' trains the last branch only (the
+    earlier ones stay in its `env_info`), 'keep' trains every branch as its own trajectory in the group."""
+
+    def __post_init__(self) -> None:
+        check("agent.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
+        check("agent.workers", self.workers, self.workers >= 1, ">= 1")
+        check_choice("agent.branches", self.branches, ("drop", "keep"))

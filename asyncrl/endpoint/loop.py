@@ -1,7 +1,11 @@
 """The decode thread of a served engine: requests come in from the HTTP side, the engine's own continuous batching
-samples them (`Engine.generate(..., drain=False)` and `Engine.advance`, as the inference worker's replica loop
-drives it), and each finished group resolves its request's future. Admission is bounded: past `max_queued`
-requests at once, `submit` refuses (the server answers 429) instead of queueing without end."""
+samples them (`Engine.generate(..., drain=False)` and `Engine.advance`), and each finished group resolves its
+request's future. Admission is bounded: past `max_queued` requests at once, `submit` refuses (the server answers
+429) instead of queueing without end.
+
+Standalone, `start()` runs that loop on a thread of its own. In a run the inference worker's replica loop drives the
+engine instead (one decode loop, whoever submits): it takes the endpoint's requests with `take` beside its own
+prompts, and hands every finished group to `finish`, which keeps the endpoint's."""
 
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ class Overloaded(Exception):
 class EngineLoop:
     """Owns `engine` on one thread. `submit` is thread-safe; the returned future gets the request's `Rollout`."""
 
-    def __init__(self, engine: Engine, max_queued: int):
-        self.engine, self.max_queued = engine, max_queued
+    def __init__(self, engine: Engine, max_queued: int, max_sessions: int = 64):
+        self.engine, self.max_queued, self.max_sessions = engine, max_queued, max_sessions
+        self._session_ids: set[int] = set()
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._futures: dict[int, tuple[Request, Future]] = {}  # id(prompt) -> its request and future
         self._lock = threading.Lock()
@@ -34,18 +39,32 @@ class EngineLoop:
 
     @property
     def admitted(self) -> int:
+        """Plain requests in flight (sessions' episodes apart)."""
         with self._lock:
-            return len(self._futures)
+            return len(self._futures) - len(self._session_ids)
 
-    def submit(self, request: Request) -> Future:
+    @property
+    def sessions(self) -> int:
+        with self._lock:
+            return len(self._session_ids)
+
+    def submit(self, request: Request, session: bool = False) -> Future:
+        """`session`: the episode of a session's branch, which lives as long as its agent keeps calling (up to
+        `endpoint.session_idle_s` idle). Those count against `max_sessions`, apart from `max_queued`: sessions left
+        idle can fill their own bound, never hold off plain requests."""
         fut: Future = Future()
         with self._lock:
             if self.error is not None:
                 raise RuntimeError(f"the engine loop failed: {self.error!r}")
-            if len(self._futures) >= self.max_queued:
-                raise Overloaded(f"{len(self._futures)} requests are in flight (endpoint.max_queued="
-                                 f"{self.max_queued})")
+            if session and len(self._session_ids) >= self.max_sessions:
+                raise Overloaded(f"{len(self._session_ids)} session episodes are open (endpoint.max_sessions="
+                                 f"{self.max_sessions})")
+            if not session and len(self._futures) - len(self._session_ids) >= self.max_queued:
+                raise Overloaded(f"{len(self._futures) - len(self._session_ids)} requests are in flight "
+                                 f"(endpoint.max_queued={self.max_queued})")
             self._futures[id(request.prompt)] = (request, fut)
+            if session:
+                self._session_ids.add(id(request.prompt))
         self._inbox.put(request)
         return fut
 
@@ -58,38 +77,47 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _take(self, wait: bool) -> list[Request]:
-        """Up to max_prefill_prompts new requests; waits a moment only when the engine has nothing to do (a busy
-        one must not pay a wait per decode call)."""
+    def take(self, wait: bool, limit: int | None = None) -> list[Request]:
+        """Up to `limit` (max_prefill_prompts) new requests; waits a moment only when the engine has nothing to do
+        (a busy one must not pay a wait per decode call)."""
+        limit = self.engine.P if limit is None else limit
         out: list[Request] = []
         try:
-            out.append(self._inbox.get(timeout=0.05) if wait else self._inbox.get_nowait())
-            while len(out) < self.engine.P:
-                out.append(self._inbox.get_nowait())
+            while len(out) < limit:
+                out.append(self._inbox.get(timeout=0.05) if wait and not out else self._inbox.get_nowait())
         except queue.Empty:
             pass
         return out
 
-    def _done(self, rollout: Rollout) -> None:
+    def finish(self, rollout: Rollout) -> bool:
+        """Resolve the future of an endpoint request's group; False if `rollout` is not one (the caller's own)."""
         with self._lock:
             _, fut = self._futures.pop(id(rollout.prompt), (None, None))
-        if fut is not None:
-            fut.set_result(rollout)
+            self._session_ids.discard(id(rollout.prompt))
+        if fut is None:
+            return False
+        fut.set_result(rollout)
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        """The decode loop died: every waiting request learns why, none hangs, and later submits are refused."""
+        with self._lock:
+            self.error = error
+            pending, self._futures = list(self._futures.values()), {}
+            self._session_ids.clear()
+        for _, fut in pending:
+            fut.set_exception(RuntimeError(f"the engine loop failed: {error!r}"))
 
     def _run(self) -> None:
         eng = self.engine
         try:
             while not self._stop.is_set():
                 eng.between_loops()
-                reqs = self._take(wait=not eng.busy)
+                reqs = self.take(wait=not eng.busy)
                 if reqs:
-                    eng.generate(reqs, drain=False, on_group=self._done)
+                    eng.generate(reqs, drain=False, on_group=self.finish)
                 elif eng.busy:
-                    eng.advance(on_group=self._done)
+                    eng.advance(on_group=self.finish)
         except BaseException as e:  # noqa: BLE001 - every waiting request learns why, none hangs
             log.exception("the endpoint's engine loop failed")
-            with self._lock:
-                self.error = e
-                pending, self._futures = list(self._futures.values()), {}
-            for _, fut in pending:
-                fut.set_exception(RuntimeError(f"the engine loop failed: {e!r}"))
+            self.fail(e)

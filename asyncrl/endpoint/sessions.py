@@ -9,9 +9,11 @@ does: its row's cache waits in the park store while the agent works, and is cont
 recomputed. Earlier turns are never re-rendered or re-tokenized, which is where token drift comes from: a template
 renders a sampled `<tool_call>{"name":"add",...}` back as `<tool_call>\\n{"name": "add", ...}\\n`.
 
-A call that edits earlier history (or changes the tools, or comes while the branch is busy or at its last turn) starts
-a new branch from a fresh render, recorded in its prompt's sample (`SessionSample.branch`). Each branch is its own
-episode and reaches the trainer as its own trajectory when the session ends (`SessionStore.end`, with the reward).
+A call that edits earlier history (or changes the tools, or comes while the branch is busy or at its last turn, or
+adds messages after which the chat template renders the earlier turns differently, as Qwen3's does after a new user
+message) starts a new branch from a fresh render, recorded in its prompt's sample (`SessionSample.branch`). Each
+branch is its own episode and reaches the trainer as its own trajectory when the session ends (`SessionStore.end`,
+with the reward).
 
 Each episode's environment is a `SessionEnv`: its `step` hands the sampled turn to the waiting call and waits for the
 next call's observation, on the engine's environment threads (off the decode thread), at most
@@ -22,6 +24,9 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import threading
+import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +112,10 @@ class Branch:
     ids: list[int] = field(default_factory=list)  # the exact context: prompt, turns, observations
     last: Turn | None = None
     busy: bool = True  # a call is waiting on its turn
+    ended_at: float | None = None  # when its episode ended (monotonic), for eviction
+
+    def __post_init__(self) -> None:
+        self.rollout.add_done_callback(lambda _: setattr(self, "ended_at", time.monotonic()))
 
     def extends(self, messages: list[dict[str, Any]], tools_key: str) -> bool:
         n = len(self.messages)
@@ -118,48 +127,43 @@ class Branch:
 class SessionStore:
     """The sessions of one server: each session's branches, until `end` hands over their rollouts."""
 
+    MAX_CLOSED = 4096  # ended sessions remembered (a late call refused); older ones are forgotten
+    MAX_RENDERERS = 32  # observation renderers kept, one per distinct `tools` list
+
     def __init__(self, idle_s: float = 300.0):
         self.idle_s = idle_s
         self.sessions: dict[str, list[Branch]] = {}
-        self.closed: set[str] = set()  # ended sessions: a late call (a timed-out agent's) is refused
-        self._renderers: dict[str, ObservationRenderer] = {}
+        self.closed: OrderedDict[str, None] = OrderedDict()  # ended sessions: a late call (a timed-out agent's) is
+        #                                                     refused
+        self._renderers: OrderedDict[str, ObservationRenderer] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _evict(self) -> None:
+        """Forget sessions nobody ended (a client that named a session and went away): every branch's episode over
+        (idle past `idle_s`, or at its limits) for `idle_s` more. An agent's session is ended by its runner first."""
+        now = time.monotonic()
+        for sid in [sid for sid, bs in self.sessions.items()
+                    if bs and all(b.ended_at is not None and now - b.ended_at > self.idle_s for b in bs)]:
+            del self.sessions[sid]
 
     def _renderer(self, server: Any, tools: list[dict[str, Any]], key: str) -> ObservationRenderer:
         if key not in self._renderers:
             chat = server.chat
             self._renderers[key] = ObservationRenderer(chat.tokenizer, chat.format.turn_end if chat.native else None,
                                                        **chat.template_kwargs(tools))
+            while len(self._renderers) > self.MAX_RENDERERS:
+                self._renderers.popitem(last=False)
+        self._renderers.move_to_end(key)
         return self._renderers[key]
 
     async def chat(self, server: Any, request: web.Request, req: ChatRequest) -> web.StreamResponse:
         if req.sampling.n != 1:
             raise ApiError(400, "n: a session's call samples one choice (its episode has one history)", "n")
         sid, key = req.session, json.dumps(req.tools, sort_keys=True)
-        if sid in self.closed:
-            raise ApiError(409, f"session_id: session {sid!r} has ended", "session_id")
-        branches = self.sessions.setdefault(sid, [])  # type: ignore[arg-type]
-        # Routing takes no await: calls run on one event loop, so two cannot both take a branch.
-        branch = next((b for b in reversed(branches) if b.extends(req.messages, key)), None)
-        if branch is not None:
-            obs = self._renderer(server, req.tools, key).after(branch.last.tokens, req.messages[len(branch.messages):])
-            server.check_context(branch.ids + obs, "messages")
-            prompt_ids = branch.ids + obs
-            waiter: Future = Future()
-            branch.busy = True
-            branch.env.inbox.put(_Command(observation=obs, waiter=waiter))
-        else:
-            prompt_ids = server.chat.prompt_ids(req.messages, req.tools)
-            server.check_context(prompt_ids, "messages")
-            waiter = Future()
-            env = SessionEnv(prompt_ids, self.idle_s, waiter)
-            index = len(branches)
-            prompt = Prompt(server.next_position(), SessionSample(sid, index), 1)  # type: ignore[arg-type]
-            try:
-                rollout = server.loop.submit(Request(prompt, prompt_ids, [env]))
-            except Overloaded as e:
-                raise ApiError(429, f"the engine is at capacity: {e}; retry later", None, "rate_limit_exceeded") from e
-            branch = Branch(index, key, env, rollout)
-            branches.append(branch)
+        # Routing takes no await: calls run on one event loop, so two cannot both take a branch. `end` runs on an
+        # agent's thread: the lock keeps a call from opening a branch of a session that `end` has just taken.
+        with self._lock:
+            branch, prompt_ids, waiter = self._route(server, req, sid, key)  # type: ignore[arg-type]
         turn = await self._turn(server, branch, waiter)
         reply = server.chat.reply(turn.tokens, req.tools if req.tool_choice != "none" else [],
                                   turn.finish == "length")
@@ -168,6 +172,47 @@ class SessionStore:
         out = TurnOut(turn.tokens, turn.logprobs, turn.forced, turn.versions, turn.finish == "length")
         extra = {"session_id": sid, "branch": branch.index, "turn": turn.index}
         return await server.answer_chat(request, req, prompt_ids, [out], extra, [reply])
+
+    def _route(self, server: Any, req: ChatRequest, sid: str, key: str) -> tuple[Branch, list[int], Future]:
+        """The branch this call continues (its observation sent to the episode) or a new one (submitted)."""
+        if sid in self.closed:
+            raise ApiError(409, f"session_id: session {sid!r} has ended", "session_id")
+        if sid not in self.sessions:
+            self._evict()
+        branches = self.sessions.setdefault(sid, [])
+        branch = next((b for b in reversed(branches) if b.extends(req.messages, key)), None)
+        waiter: Future = Future()
+        obs: list[int] = []
+        if branch is not None:
+            try:
+                obs = self._renderer(server, req.tools, key).after(branch.last.tokens,
+                                                                   req.messages[len(branch.messages):])
+            except ValueError:  # the template re-renders earlier turns once these follow (Qwen3 after a new user
+                # message): the history is not a prefix of any render. A new branch; the old one's history has
+                # moved on, so its episode ends now (its row and cache freed) and gets its reward at `end`.
+                branch.env.inbox.put(_Command(reason="branched"))
+                branch.busy = True  # never extended again
+                branch = None
+        if branch is not None:
+            server.check_context(branch.ids + obs, "messages")
+            prompt_ids = branch.ids + obs
+            branch.busy = True
+            branch.env.inbox.put(_Command(observation=obs, waiter=waiter))
+            return branch, prompt_ids, waiter
+        prompt_ids = server.chat.prompt_ids(req.messages, req.tools)
+        server.check_context(prompt_ids, "messages")
+        env = SessionEnv(prompt_ids, self.idle_s, waiter)
+        index = len(branches)
+        prompt = Prompt(server.next_position(), SessionSample(sid, index), 1)  # type: ignore[arg-type]
+        try:
+            rollout = server.loop.submit(Request(prompt, prompt_ids, [env]), session=True)
+        except Overloaded as e:
+            if not branches:
+                del self.sessions[sid]
+            raise ApiError(429, f"the engine is at capacity: {e}; retry later", None, "rate_limit_exceeded") from e
+        branch = Branch(index, key, env, rollout)
+        branches.append(branch)
+        return branch, prompt_ids, waiter
 
     @staticmethod
     def _message(reply: Reply) -> dict[str, Any]:
@@ -190,8 +235,17 @@ class SessionStore:
                        "timeout")
 
     def end(self, session: str, reward: float, reason: str = "done", timeout: float = 60.0) -> list[Rollout]:
-        """End every branch of `session` with `reward`; returns their rollouts once the engine has emitted them."""
-        branches = self.sessions.pop(session, [])
+        """End every branch of `session` with `reward`; returns their rollouts once the engine has emitted them.
+        The session is closed first: a later call naming it (a timed-out agent's) is refused, never a new branch."""
+        with self._lock:
+            self.closed[session] = None
+            while len(self.closed) > self.MAX_CLOSED:
+                self.closed.popitem(last=False)
+            branches = self.sessions.pop(session, [])
         for b in branches:
             b.env.inbox.put(_Command(reward=reward, reason=reason))
-        return [b.rollout.result(timeout) for b in branches]
+        out = [b.rollout.result(timeout) for b in branches]
+        for r in out:  # a branch ended early ("branched") had no reward yet
+            for c in r.completions:
+                c.reward = reward
+        return out

@@ -24,6 +24,7 @@ BUILTIN = {
     "math_file": "asyncrl.envs.math_file:ENVIRONMENT",
     "lookup": "asyncrl.envs.lookup:ENVIRONMENT",
     "textarena": "asyncrl.envs.textarena:ENVIRONMENT",
+    "agent": "asyncrl.envs.agent:ENVIRONMENT",  # played by the user's agent function through the endpoint
 }
 
 
@@ -66,6 +67,8 @@ class Source:
     task: Task
     spec: EnvironmentSpec
     tools: bool = False
+    agent: bool = False
+    """`environment: agent`: its episodes are played by the run's agent function through the endpoint."""
 
 
 def build_sources(cfg: TaskConfig) -> list[Source]:
@@ -81,7 +84,7 @@ def build_sources(cfg: TaskConfig) -> list[Source]:
         if not isinstance(task, Task):
             raise ConfigError(f"{where}.environment={src.environment!r}: its task factory returned a "
                               f"{type(task).__name__}, not an asyncrl.tasks.Task")
-        out.append(Source(task, spec, bool(src.tools)))
+        out.append(Source(task, spec, bool(src.tools), import_path(src.environment) == BUILTIN["agent"]))
     seen: dict[str, int] = {}
     for i, s in enumerate(out):
         if s.task.label in seen:
@@ -101,6 +104,11 @@ def combine(sources: Sequence[Source], cfg: TaskConfig) -> Task:
 def build_task(cfg: TaskConfig) -> Task:
     """The task a `TaskConfig` describes: its one source, or a weighted mixture of all of them."""
     return combine(build_sources(cfg), cfg)
+
+
+def is_agent(source: Source) -> bool:
+    """Whether the source's episodes are played by the run's agent function (`environment: agent`)."""
+    return source.agent
 
 
 def source_of(sources: Sequence[Source], sample: Sample) -> Source:

@@ -18,7 +18,6 @@ attention run head-split between two all-to-alls. Calls with a KV cache never sp
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -47,7 +46,7 @@ def _explicit_mesh():
     return None if m.empty or not m.explicit_axes else m
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Model:
     """Stateless model: `cfg` is static, params are always passed in (so they are jit arguments, never constants).
 

@@ -312,7 +312,7 @@ def run(cfg: DriverConfig, config_yaml: str) -> int:
     resolved config, written to the run dir."""
     logs.configure(cfg.logging.level, "%(asctime)s [driver] %(message)s")
     # Before anything starts: a bad environment fails here, naming its key, and the user's packages are found.
-    py_modules = plugins.import_environments(cfg.host.trainer.task)
+    py_modules = plugins.import_environments(cfg.host.inference.task, cfg.host.inference.agent.fn)
     run_dir = run_dir_of(cfg)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:

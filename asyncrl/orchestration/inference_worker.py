@@ -18,7 +18,8 @@ from typing import Any
 
 import jax
 
-from asyncrl.envs import Environments, build_sources, combine
+from asyncrl.envs import Environments, build_sources, combine, source_of
+from asyncrl.envs.registry import is_agent
 from asyncrl.inference.engine import Engine, Request
 from asyncrl.inference.replicas import ReplicaSet
 from asyncrl.orchestration import faults
@@ -77,6 +78,7 @@ class InferenceWorker:
         # Separate lanes: a train rollout blocked on the full (bounded) rollout queue must never hold up eval.
         self.lanes: dict[bool, queue.Queue[Rollout]] = {
             True: queue.Queue(maxsize=max(1, cfg.eval_prompts)), False: queue.Queue(maxsize=256)}
+        self.agents: Any = None  # `endpoint.host.HostAgents` when a source is played by the agent function
 
     # ---- weight sync ----------------------------------------------------------------------------------------
 
@@ -225,7 +227,25 @@ class InferenceWorker:
                 items.append(self.q["prompt"].get_nowait())
             except queue.Empty:
                 break
-        return [Request(p, *self.envs.open(p.sample, p.n)) for p in items]
+        reqs = []
+        for p in items:
+            if self.agents is not None and is_agent(source_of(self.sources, p.sample)):
+                self.agents.submit(p)  # its agents call the endpoint: their requests come back through `take`
+            else:
+                reqs.append(Request(p, *self.envs.open(p.sample, p.n)))
+        return reqs
+
+    def _agent_group(self, r: Rollout) -> None:
+        """An agent group, played: onto its shipping lane (from an agent-group thread, which may block)."""
+        try:
+            self.lanes[r.is_eval].put(r, timeout=self.timeout_s)
+        except queue.Full:
+            self._fail(QueueTimeout(f"inference{self.rank} waited {self.timeout_s:g}s (async.queue_timeout_s) to "
+                                    "hand an agent group to its shipping lane; the shipper is stalled"))
+
+    def _fail(self, e: BaseException) -> None:
+        self.errors.append(e)
+        self.stop.set()
 
     def _replica_loop(self, engine: Engine) -> None:
         try:
@@ -233,10 +253,14 @@ class InferenceWorker:
             engine.between_loops = (lambda: self._maybe_update(engine)) if not slow else \
                 (lambda: (time.sleep(slow), self._maybe_update(engine)))
             on_group = lambda r: self._on_group(r, engine)  # noqa: E731
+            served = self.agents.loop if self.agents is not None and self.agents.loop.engine is engine else None
+            if served is not None:  # the endpoint's groups go back to their requests, the rest ship
+                on_group = lambda r: served.finish(r) or self._on_group(r, engine)  # noqa: E731
             last_report = time.time()
             while not self.stop.is_set():
                 engine.between_loops()
-                reqs = self._next_requests(wait=not engine.busy)
+                reqs = served.take(wait=False) if served is not None else []
+                reqs += self._next_requests(wait=not engine.busy and not reqs)
                 if reqs:
                     engine.generate(reqs, drain=False, on_group=on_group)
                 elif engine.busy:
@@ -245,6 +269,8 @@ class InferenceWorker:
                     self._report(engine)
                     last_report = time.time()
         except BaseException as e:
+            if self.agents is not None and self.agents.loop.engine is engine:
+                self.agents.loop.fail(e)
             self.errors.append(e)
             self.stop.set()
 
@@ -265,6 +291,11 @@ class InferenceWorker:
         except TimeoutError:
             pass
 
+    def _grade(self, answer: str, sample: Any) -> float:
+        """An agent's text answer, graded by the task's verifier."""
+        return float(self.verifier.submit(answer, sample).result(timeout=self.cfg.task.verifier.timeout_s * 4 + 30)
+                     .reward)
+
     # ---- main -----------------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
@@ -276,7 +307,7 @@ class InferenceWorker:
         cfg = self.cfg
         mcfg = model_config(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model, self.run_dir)
-        sources = build_sources(cfg.task)
+        self.sources = sources = build_sources(cfg.task)
         self.task = combine(sources, cfg.task)
         self.verifier = Verifier(self.task, cfg.task.verifier)
         self.envs = Environments(sources, self.tokenizer, self.verifier, chat=cfg.task.prompt_template == "chat",
@@ -294,6 +325,12 @@ class InferenceWorker:
                                        seed=cfg.seed, version=self.gate.version,
                                        name=f"inference{self.rank}", stop=self.envs.stop_sequences(),
                                        record_routes=cfg.moe.router_replay)
+        if any(is_agent(s) for s in sources):
+            from asyncrl.endpoint.host import HostAgents
+
+            self.agents = HostAgents(self.replicas.engines[0], cfg.endpoint, cfg.agent, cfg.inference.group_size,
+                                     self._agent_group, self._fail, grade=self._grade, tool_format=cfg.tools.format)
+            self.agents.start()
         threads = [threading.Thread(target=self._push, args=(lane,), name=f"shipper-{'eval' if lane else 'train'}",
                                     daemon=True) for lane in (True, False)]
         threads += [threading.Thread(target=self._replica_loop, args=(e,), name=e.name, daemon=True)
@@ -303,6 +340,8 @@ class InferenceWorker:
         log.info("inference %d serving with %d replicas", self.rank, len(self.replicas.engines))
         while not self.stop.is_set():
             time.sleep(0.2)
+        if self.agents is not None:
+            self.agents.close()
         self.verifier.close()
         self.envs.close()
         if self.errors:

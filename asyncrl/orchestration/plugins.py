@@ -14,6 +14,7 @@ import importlib.util
 import os
 from collections.abc import Sequence
 
+from asyncrl.endpoint.agents import resolve as resolve_agent
 from asyncrl.envs.registry import import_path, resolve
 from asyncrl.tasks.config import TaskConfig
 
@@ -23,13 +24,24 @@ RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 _INSTALLED = ("site-packages", "dist-packages")
 
 
-def import_environments(cfg: TaskConfig) -> list[str]:
-    """Import and check every source's environment; return the local folders (or single-file modules) of the user
-    packages that hold them, for Ray's `py_modules`."""
+def import_environments(cfg: TaskConfig, agent_fn: str = "") -> list[str]:
+    """Import and check every source's environment, and the agent function (`agent.fn`) when a source is played by
+    one; return the local folders (or single-file modules) of the user packages that hold them, for Ray's
+    `py_modules`."""
     shipped: list[str] = []
+    modules = []
     for i, src in enumerate(cfg.sources):
         resolve(src.environment, f"task.sources[{i}].environment")
-        path = package_path(import_path(src.environment).partition(":")[0])
+        modules.append(import_path(src.environment).partition(":")[0])
+        inner = src.options.get("task") if src.environment == "agent" else None
+        if isinstance(inner, str) and inner:
+            resolve(inner, f"task.sources[{i}].options.task")
+            modules.append(import_path(inner).partition(":")[0])
+    if agent_fn and any(s.environment == "agent" for s in cfg.sources):
+        resolve_agent(agent_fn)  # a ConfigError naming agent.fn
+        modules.append(agent_fn.partition(":")[0])
+    for module in modules:
+        path = package_path(module)
         if path is not None and path not in shipped:
             shipped.append(path)
     return shipped

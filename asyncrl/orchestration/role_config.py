@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from asyncrl.endpoint.config import AgentConfig, EndpointConfig
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.models.section import ModelSection
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
@@ -75,6 +76,10 @@ class InferenceRoleConfig:
     """`eval.num_prompts`: the bound of the eval shipping lane."""
     moe: MoeConfig = field(default_factory=MoeConfig)
     """`train.moe`: with router_replay, the replicas record each sampled token's experts (`Completion.routes`)."""
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    """`endpoint`: the OpenAI-compatible server a host with agent sources runs over its first replica."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """`agent`: the function that plays `environment: agent` sources."""
 
 
 @dataclass(frozen=True)
