@@ -51,6 +51,24 @@ def test_collect_filters_stale_and_zero_variance_groups():
     assert m["rollout/in_flight_updated"] > 0
 
 
+def test_a_group_with_no_prompt_ids_is_dropped_as_failed_and_credited():
+    """Every episode of an agent group failed before its first call: the group has no prompt ids and no completion
+    ids. Admitted, it would stop the trainer in build_batch ("empty prompt"); it is dropped and credited instead."""
+    from asyncrl.rollout import Completion, Prompt
+
+    rng = np.random.default_rng(2)
+    empty = lambda: Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, bool),  # noqa: E731
+                               np.zeros(0, np.int32), reward=0.0)
+    failed = Rollout(Prompt(0, None, 2), np.zeros(0, np.int32), [empty(), empty()])
+    stream = [failed, make_rollout(rng, 1, 2, 50, 3, 4, [1.0, 0.0])]
+    consumed = []
+    kept, m = collect_rollouts(_queue_of(stream), n_groups=1, version=0, staleness=Staleness(2), timeout_s=1.0,
+                               on_consumed=lambda r, reason: consumed.append((r.prompt.position, reason)))
+    assert [r.prompt.position for r in kept] == [1]
+    assert m["rollout/filtered_failed"] == 1 and m["rollout/filtered_lag"] == 0
+    assert consumed == [(0, "failed"), (1, None)]
+
+
 def test_collect_keeps_zero_variance_groups_unless_asked():
     rng = np.random.default_rng(1)
     stream = [make_rollout(rng, i, 2, 50, 3, 4, [1.0, 1.0]) for i in range(2)]

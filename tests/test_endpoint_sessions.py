@@ -156,7 +156,8 @@ def test_idle_sessions_have_their_own_bound_and_are_forgotten(setup, monkeypatch
     server, client = setup[3], setup[-1]
     store, loop = server.sessions, server.loop
     monkeypatch.setattr(loop, "max_sessions", 1)
-    monkeypatch.setattr(store, "idle_s", 0.5)
+    # 3 s: the 429 and the plain call below must come while "idle" is still open, also beside another test worker.
+    monkeypatch.setattr(store, "idle_s", 3.0)
     _agent_calls(client, "idle", "Add one to 1.", calls=1)  # its episode now waits for a next call
     assert loop.sessions == 1 and loop.admitted == 0
     with pytest.raises(openai.RateLimitError) as e:
@@ -167,7 +168,7 @@ def test_idle_sessions_have_their_own_bound_and_are_forgotten(setup, monkeypatch
     (branch,) = store.sessions["idle"]
     branch.rollout.result(30)  # idle past session_idle_s: its episode ended ("session_idle")
     assert branch.rollout.result().completions[0].reason == "session_idle" and loop.sessions == 0
-    time.sleep(0.6)
+    time.sleep(3.1)
     _agent_calls(client, "later", "Add one to 3.", calls=1)  # a new session sweeps the forgotten one
     assert "idle" not in store.sessions and "later" in store.sessions
     store.end("later", 0.0)

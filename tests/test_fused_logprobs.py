@@ -94,7 +94,7 @@ def test_rejects_bad_arguments():
 def data_mesh(axis_type):
     if jax.device_count() < 8:
         pytest.skip("needs 8 (fake) devices; tests/conftest.py sets XLA_FLAGS for that")
-    return jax.make_mesh((2, 4, 1), TOKEN_AXES, axis_types=(axis_type,) * 3)
+    return jax.make_mesh((2, 4) + (1,) * (len(TOKEN_AXES) - 2), TOKEN_AXES, axis_types=(axis_type,) * len(TOKEN_AXES))
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])

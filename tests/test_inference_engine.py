@@ -239,7 +239,7 @@ def test_a_finished_row_packs_into_one_vector_and_back_unchanged():
                       end_of_think=np.bool_(False), steps=np.int32(11), inserted=np.bool_(True), row=np.int32(5))
     packed = jax.jit(pack_row)(jax.tree.map(jnp.asarray, row))
     assert packed.shape == (4 * S + 8,) and packed.dtype == jnp.int32
-    back = unpack_row(np.asarray(packed))
+    back = unpack_row(np.asarray(packed), S)
     for name in ("tokens", "forced", "versions"):
         np.testing.assert_array_equal(getattr(back, name), getattr(row, name))
     assert back.forced.dtype == bool

@@ -66,6 +66,13 @@ class Config:
             check("endpoint.max_sessions", self.endpoint.max_sessions,
                   self.endpoint.max_sessions >= self.agent.workers,
                   f">= agent.workers={self.agent.workers} (each running agent's session holds one)")
+            # Both refused until the trainer takes them: a kept branch makes its group larger than group_size (the
+            # step's batch has a fixed shape), and endpoint calls carry no recorded routes.
+            check("agent.branches", self.agent.branches, self.agent.branches == "drop",
+                  "'drop' in a run with an agent source ('keep' gives a group more than inference.group_size "
+                  "completions, which the trainer's fixed-size batch cannot take yet)")
+            check("train.moe.router_replay", self.train.moe.router_replay, not self.train.moe.router_replay,
+                  "false with an agent source (endpoint calls do not record routes yet)")
 
         cp = self.sharding.mesh.cp_ulysses
         if cp > 1:

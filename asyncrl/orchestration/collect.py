@@ -112,21 +112,23 @@ def collect_rollouts(
     """Block until `n_groups` groups pass the filters; returns them (oldest first when pooling) and the metrics.
 
     `on_consumed(rollout, reason)` is told of every group as it is taken (reason None) or dropped ("lag", "ess",
-    "zero_variance"), at once: the prompt feeder credits a drop before this call returns, so a host short of
-    groups gets replacements. `check()` runs between polls of at most `poll_s` seconds and may raise (a dead
-    feeder thread's error then surfaces here instead of a generic timeout). The timeout counts from the last
-    group received. `pool` is read and left holding the groups carried to the next step; `urgent(version)` returns
-    the data positions (`rollout.prompt.position`) to wait for before taking newer groups, for at most
-    `straggler` seconds (a number, or a `StragglerWait`, which is told what this step saw) once `n_groups` are
-    held. After `zero_variance_budget`
-    zero-variance drops in one call, zero-variance groups are kept as fillers (`rollout/zero_variance_fillers`):
-    the loss gives them no weight when it filters them (`loss.filter_zero_variance`), so the step trains on the
-    groups with variance it has instead of sampling without end once most prompts are solved."""
-    filtered = {"lag": 0, "ess": 0, "zero_variance": 0}
+    "zero_variance", "failed": no prompt ids, every episode of an agent group failed), at once: the prompt feeder
+    credits a drop before this call returns, so a host short of groups gets replacements. `check()` runs between
+    polls of at most `poll_s` seconds and may raise (a dead feeder thread's error then surfaces here instead of a
+    generic timeout). The timeout counts from the last group received. `pool` is read and left holding the groups
+    carried to the next step; `urgent(version)` returns the data positions (`rollout.prompt.position`) to wait for
+    before taking newer groups, for at most `straggler` seconds (a number, or a `StragglerWait`, which is told what
+    this step saw) once `n_groups` are held. After `zero_variance_budget` zero-variance drops in one call,
+    zero-variance groups are kept as fillers (`rollout/zero_variance_fillers`): the loss gives them no weight when
+    it filters them (`loss.filter_zero_variance`), so the step trains on the groups with variance it has instead of
+    sampling without end once most prompts are solved."""
+    filtered = {"lag": 0, "ess": 0, "zero_variance": 0, "failed": 0}
     held: list[Rollout] = []
 
     def admit(rollout: Rollout) -> None:
-        reason = staleness.drop_reason(version, rollout)
+        # A group with no prompt ids has nothing to train: every episode of an agent group failed before its first
+        # call (agent_error / agent_timeout / agent_no_call); dropped and credited, the run goes on.
+        reason = "failed" if not len(rollout.prompt_tokens) else staleness.drop_reason(version, rollout)
         if reason is None and drop_zero_variance and is_zero_variance(rollout):
             if zero_variance_budget is None or filtered["zero_variance"] < zero_variance_budget:
                 reason = "zero_variance"  # else: a filler (kept; the loss weighs it 0)
@@ -212,6 +214,7 @@ def collect_rollouts(
         "rollout/filtered_lag": float(filtered["lag"]),
         "rollout/filtered_ess": float(filtered["ess"]),
         "rollout/filtered_zero_variance": float(filtered["zero_variance"]),
+        "rollout/filtered_failed": float(filtered["failed"]),
         "rollout/reward_mean": float(np.mean(rewards)),
         "rollout/completion_len_mean": float(np.mean(lengths)),
         # Completions that a weight update reached mid-generation (their tokens carry two or more versions).

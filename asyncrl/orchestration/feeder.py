@@ -95,7 +95,7 @@ class Feeder:
             if reason is not None:
                 self.dropped += 1
                 self._opened.notify_all()
-            if reason not in ("lag", "ess"):  # staleness drops say nothing about the rewards
+            if reason not in ("lag", "ess", "failed"):  # staleness and failure drops say nothing about the rewards
                 self.zero_variance_share += 0.05 * (float(reason == "zero_variance") - self.zero_variance_share)
 
     def drain_remote(self) -> None:
