@@ -167,10 +167,15 @@ def _place(model, params, mesh):
     return jax.device_put(params, model.param_shardings(mesh))
 
 
+@pytest.mark.parametrize("path", ["as_run", "grouped"])
 @pytest.mark.parametrize("layout", ["dp_fsdp_expert", "expert_tp"])
-def test_expert_parallel_matches_one_device(layout):
-    """Forward and gradients under expert parallelism on 8 fake CPU devices equal one device's."""
+def test_expert_parallel_matches_one_device(layout, path, monkeypatch):
+    """Forward and gradients under expert parallelism on 8 fake CPU devices equal one device's. `grouped`: every
+    call through the grouped matmuls with each shard's expert offset (a shard's few tokens would otherwise take the
+    decode-sized dense path, `moe.DENSE_MAX_TOKENS`)."""
     assert jax.device_count() == 8
+    if path == "grouped":
+        monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
     params = jax.tree.map(jnp.asarray, random_params(CFG, seed=1))
     toks, lens = ragged_batch(CFG.vocab_size, [16, 9, 3, 12, 8, 16, 1, 5], seed=2)
     one = Model(CFG)
