@@ -54,7 +54,7 @@ def test_yaml_override_errors_name_the_indexed_key():
 
 def test_unknown_environment_fails_at_build():
     with pytest.raises(ValueError, match=r"task.sources\[0\].environment='chess' is invalid: must be a built-in "
-                                         r"environment \(digits, .*\) or an import path"):
+                                         r"environment \(agent, digits, .*\) or an import path"):
         build_task(TaskConfig(sources=[TaskSourceConfig(environment="chess")]))
 
 
