@@ -54,12 +54,3 @@ def model_params():
 
     model = Model(preset("tiny"))
     return model, model.init_params(jax.random.PRNGKey(0))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def launch_compile_cache(tmp_path_factory):
-    """The JAX compilation cache that the session's launch.py runs share (`helpers.launch_env`), emptied with the
-    session's temp folder."""
-    from tests.helpers import COMPILE_CACHE_VAR
-
-    os.environ[COMPILE_CACHE_VAR] = str(tmp_path_factory.mktemp("jax-compile-cache"))
