@@ -91,7 +91,7 @@ class Completion:
     turn_texts: list[str] = field(default_factory=list)
     env_s: float = 0.0  # seconds spent in environment steps
     env_info: list[dict] = field(default_factory=list)  # each environment step's non-empty `StepResult.info`
-    routes: np.ndarray | None = None  # [n, Lm, k] int8 (int16 past 127 experts): each token's experts at each MoE
+    routes: np.ndarray | None = None  # [n, Lm, k] int8 (int16 past 128 experts): each token's experts at each MoE
     #                                   layer as the sampler routed it (train.moe.router_replay), -1 where the
     #                                   trainer's router chooses (forced and observation tokens); None: not recorded
 

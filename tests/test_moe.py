@@ -261,3 +261,15 @@ def test_lora_on_moe_is_refused():
     train = TrainConfig(train_batch_size=8, lora=LoraConfig(rank=4))
     with pytest.raises(ConfigError, match=r"train\.lora\.rank=4 .*mixture-of-experts.*model\.num_experts=4"):
         Trainer(Model(CFG), train, LossConfig(name="grpo"), ShardingConfig(), devices=jax.devices()[:1])
+
+
+def test_route_records_take_one_byte_up_to_128_experts():
+    """Ids 0..127 and -1 ("route freely") fit int8: Qwen3-30B-A3B's 128 experts record 48 x 8 x 1 = 384 bytes a
+    token; past 128 experts the record is int16."""
+    from types import SimpleNamespace
+
+    assert moe.route_dtype(SimpleNamespace(num_experts=128)) == jnp.int8
+    assert moe.route_dtype(SimpleNamespace(num_experts=129)) == jnp.int16
+    c = preset("qwen3-30b-a3b")
+    per_token = len(c.sparse_layers) * c.num_experts_per_tok * jnp.dtype(moe.route_dtype(c)).itemsize
+    assert c.num_experts == 128 and per_token == 384

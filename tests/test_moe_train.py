@@ -79,7 +79,7 @@ def test_recorded_routes_reach_the_trainer_and_replay_makes_its_routing_the_samp
     after = np.zeros_like(recorded)
     for b, (r, c) in enumerate((g, c) for g in out for c in g.completions):
         p, n = len(r.prompt_tokens), len(c.tokens)
-        assert c.routes.shape == (n, Lm, k) and c.routes.nbytes == n * Lm * k * 1  # 1 byte an id (E <= 127)
+        assert c.routes.shape == (n, Lm, k) and c.routes.nbytes == n * Lm * k * 1  # 1 byte an id (E <= 128)
         fed[b, p:p + n - 1] = ~c.forced[:-1]  # every sampled token but the last is fed back, and recorded
         after[b, p:p + n - 1] = c.versions[:-1] == 1
     np.testing.assert_array_equal(recorded, fed)

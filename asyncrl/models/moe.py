@@ -160,9 +160,9 @@ def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig,
 
 
 def route_dtype(cfg: ModelConfig) -> Any:
-    """The dtype of a recorded routing (router replay): int8 up to 127 experts, else int16, so a token's record is
-    Lm x k x 1 or 2 bytes (Qwen3-30B-A3B: 48 x 8 x 1 = 384 bytes a token; -1 marks "route freely")."""
-    return jnp.int8 if cfg.num_experts <= 127 else jnp.int16
+    """The dtype of a recorded routing (router replay): int8 up to 128 experts (ids 0..127 and -1, "route freely",
+    fit), else int16, so a token's record is Lm x k x 1 or 2 bytes (Qwen3-30B-A3B: 48 x 8 x 1 = 384 bytes a token)."""
+    return jnp.int8 if cfg.num_experts <= 128 else jnp.int16
 
 
 def load_sums(x: jax.Array, router: jax.Array, ids: jax.Array, mask: jax.Array) -> jax.Array:

@@ -112,7 +112,7 @@ class MoeConfig:
     with the completion like its logprobs, and the trainer's forward passes (the proximal and the policy pass) route
     those tokens to those experts, with the gate weights recomputed from the current router (so it still learns).
     Prompt and observation tokens take the router's own choice. Costs L_moe x k bytes a token (int8 ids; int16
-    past 127 experts) in the rollout, the queues and the batch."""
+    past 128 experts) in the rollout, the queues and the batch."""
     aux_coef: float = 0.0
     """Weight of the Switch / Qwen3-MoE load-balancing loss (transformers' `load_balancing_loss_func`: num_experts x
     sum_e f_e P_e over every MoE layer's valid tokens) added to the loss; the step then logs it (`moe_aux_loss`)
