@@ -111,6 +111,7 @@ def test_hop_chain_bit_exact(n, tw, ndev, bucket_mb):
     assert {r.split()[2] for r in results} == {f"slot={s}" for s in range(n // tw)}
     cut = bucket_mb == SMALLER_THAN_A_LEAF and n // tw > 2  # one hop (2 slots) never cuts
     assert all(f"buckets={35 if cut else 1}" in r for r in results), results
+    assert all("views=True" in r for r in results if "slot=0" in r), results  # the trainer's cast left as it was
 
 
 @pytest.mark.parametrize("n,freeze_a", [(2, False), (3, False), (3, True)])
@@ -133,11 +134,34 @@ def test_lora_sync_moves_the_base_once_then_the_adapters_alone_bit_exact(n, free
 @pytest.mark.parametrize("n,ndev", [(3, 1), (2, 2)])
 def test_hop_chain_quick(n, ndev):
     """3 x 1: a forwarding slot, with buckets smaller than a leaf: leaves travel cut into row ranges and are put
-    back together bit for bit. 2 x 2: every slot is a 2-device mesh, so each replicated leaf moves as 2 shards per
-    hop (one hop: a single bucket whatever bucket_mb says)."""
+    back together bit for bit. 2 x 2: every slot is a 2-device mesh, so each leaf moves split in 2 shards (half on
+    each chip, chip k to chip k), sent from the buffers of the trainer's own cast on a mesh of another order and
+    shape, and every receiving chip ends up with it whole (one hop: a single bucket whatever bucket_mb says)."""
     results = _run(n, 1, ndev=ndev, bucket_mb=SMALLER_THAN_A_LEAF)
     assert len(results) == 2 * n and all("ok=True" in r for r in results), results
     assert all(f"buckets={35 if n > 2 else 1}" in r for r in results), results
+    assert all("views=True" in r for r in results if "slot=0" in r), results
+
+
+def test_sync_layout_splits_every_large_leaf_and_is_one_placement_on_any_mesh_of_the_same_order():
+    """The layout the chain moves (`chain_sharding`): a leaf is split over all n chips along its first
+    dimension after the first that n divides (row cuts along the first stay local), replicated where none does;
+    on the trainer's 4-axis mesh and on a 1-D mesh of the same devices in the same order it places every shard on
+    the same chip, which is what lets the trainer's cast be sent as it is."""
+    from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+    from asyncrl.sharding.chain import chain_sharding
+
+    devs = np.array(jax.devices()[:8])[::-1]
+    flat = Mesh(devs, ("devices",), axis_types=(AxisType.Explicit,))
+    trainer = Mesh(devs.reshape(1, 2, 4, 1), ("dp", "fsdp", "expert", "cp"), axis_types=(AxisType.Explicit,) * 4)
+    assert chain_sharding(flat, (48, 128, 2048, 768)).spec == P(None, "devices")
+    assert chain_sharding(flat, (8, 12, 16)).spec == P(None, None, "devices")  # 12 does not divide by 8
+    assert chain_sharding(flat, (64,)).spec == P() and chain_sharding(flat, (4, 6)).spec == P()
+    for shape in [(48, 128, 2048, 768), (8, 12, 16), (36, 4096), (4, 6), (64,), ()]:
+        a, b = chain_sharding(trainer, shape), chain_sharding(flat, shape)
+        assert a.devices_indices_map(shape) == b.devices_indices_map(shape)
+        assert a.is_equivalent_to(b, len(shape))
 
 
 @pytest.mark.slow

@@ -14,9 +14,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+from asyncrl.sharding.chain import chain_shardings  # noqa: E402
+from asyncrl.sharding.roles import split_roles  # noqa: E402
 from asyncrl.weightsync.transfer import HopChainTransfer, enable_cpu_transfers  # noqa: E402
 
 enable_cpu_transfers()
@@ -36,7 +38,11 @@ def log_event(kind, bucket, hop):
         os.close(fd)
 
 
-hc = HopChainTransfer(tw, bucket_mb=bucket_mb)
+# The trainers' mesh orders their devices otherwise than by host (reversed here, across processes when tw = 2) and
+# has its own axes, as the trainer's ("dp", "fsdp", "expert", "cp") mesh does; every process is told the order.
+first = split_roles(jax.devices(), tw).slots()[0][::-1]
+trainer_mesh = Mesh(np.array(first).reshape(1, len(first)), ("fsdp", "expert"), axis_types=(AxisType.Explicit,) * 2)
+hc = HopChainTransfer(tw, bucket_mb=bucket_mb, first_slot=first)
 lora_mode = os.environ.get("WS_LORA") in ("1", "freeze_a")
 if lora_mode:  # LoRA's payloads (Trainer.sync_payload): the base and the adapters, then the adapters alone (B alone
     # with A frozen: the receiver merges round 0's A with round 1's B)
@@ -64,14 +70,22 @@ for round_ in range(2):  # two syncs: the second reuses the compiled hops and mu
     init = lambda k: make(k, round_ == 0)  # noqa: E731
     shapes = receiver.shapes(round_ == 0) if lora_mode else params_lib.shapes(model.cfg, jnp.bfloat16)
     if hc.slot == 0:  # trainers: a global array over the trainer slot (spans tw processes)
-        tree = jax.jit(init, out_shardings=jax.tree.map(lambda _: NamedSharding(hc.meshes[0], P()), shapes))(key)
-        out, t = hc.transfer(tree)
-    else:
-        out, t = hc.transfer(None, shapes)
-    if hc.slot == 0:  # the trainers keep their own copy; the chain returns nothing to them
+        # Dense: cast straight into the sync layout on the trainer's own mesh, as `Trainer.sync_payload` does; the
+        # chain then sends views of those buffers. LoRA: replicated on the slot's mesh, which the chain reshards.
+        placed = jax.tree.map(lambda _: NamedSharding(hc.meshes[0], P()), shapes) if lora_mode \
+            else chain_shardings(trainer_mesh, shapes)
+        tree = jax.jit(init, out_shardings=placed)(key)
+        prep = hc.prepare(tree)
+        ptrs = lambda x: {a.data.unsafe_buffer_pointer() for a in x.addressable_shards}  # noqa: E731
+        leaves = jax.tree.leaves(tree)
+        views = all(ptrs(x) == ptrs(leaves[p.leaf]) for b, xs in zip(prep.buckets, prep.pieces) for p, x in zip(b, xs)
+                    if p.whole)
+        out, t = hc.run(prep)
+        # the trainers keep their own copy; the chain returns nothing to them
         print(f"RESULT rank={rank} slot={hc.slot} round={round_} ok={out is None} bytes={int(t['weight_sync_bytes'])} "
-              f"buckets={int(t['weight_sync_buckets'])}", flush=True)
+              f"buckets={int(t['weight_sync_buckets'])} views={views}", flush=True)
         continue
+    out, t = hc.transfer(None, shapes)
     expected = jax.device_get(jax.jit(init, device=jax.local_devices()[0])(key))  # same values, computed locally
     ok = True
     for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from asyncrl.inference.config import InferenceConfig
 from asyncrl.inference.replicas import ReplicaSet
@@ -152,12 +151,12 @@ def build_programs(cfg: ProgramsConfig, devices: Sequence[Any], only: Sequence[s
         "train_step", "trainer", t_chips, lambda: trainer.lower_step(trainer.abstract_batch(T)), train_tokens, T,
         "step", train_flops / t_chips, train_bytes))
 
-    # The hop chain's first slot is the trainer chips: the sync gathers the cast weights (LoRA: the adapters)
-    # whole onto each of them (replicated over the trainer mesh: the same bytes per chip as over the slot's 1-D mesh).
-    first_slot = NamedSharding(trainer.mesh, P())
-    cast_bytes = shard_bytes(state["params"]) + sync_bytes
+    # The hop chain's first slot is the trainer chips: the sync casts the weights (LoRA: the adapters) into the
+    # chain's layout, split over them (`weightsync/layout.py`). Ideal: the chip's master shard read, its 1/n of the
+    # cast written.
+    cast_bytes = shard_bytes(state["params"]) + sync_bytes / t_chips
     programs.append(Program(
-        "weight_sync_cast", "trainer", t_chips, lambda: trainer.lower_sync_cast(dtype, first_slot), 0, 0, "call", 0.0,
+        "weight_sync_cast", "trainer", t_chips, lambda: trainer.lower_sync_cast(dtype), 0, 0, "call", 0.0,
         cast_bytes))
 
     tokenizer = None

@@ -97,7 +97,7 @@ class Config:
         return InferenceRoleConfig(
             model=self.model, inference=self.inference, task=self.task, tools=self.tools, async_=self.async_,
             weightsync=self.weightsync, lora=self.train.lora, seed=self.run.seed, eval_prompts=self.eval.num_prompts,
-            moe=self.train.moe, endpoint=self.endpoint, agent=self.agent)
+            moe=self.train.moe, endpoint=self.endpoint, agent=self.agent, train_mesh=self.sharding.mesh)
 
     def host_config(self) -> HostConfig:
         return HostConfig(train_workers=self.async_.train_workers, log_level=self.logging.level,

@@ -302,6 +302,7 @@ class InferenceWorker:
         from asyncrl.models.sources import load_tokenizer, model_config
         from asyncrl.models.transformer import Model
         from asyncrl.orchestration.payload import SyncPayload
+        from asyncrl.train.mesh import make_train_mesh
         from asyncrl.weightsync.transfer import HopChainTransfer
 
         cfg = self.cfg
@@ -312,8 +313,11 @@ class InferenceWorker:
         self.verifier = Verifier(self.task, cfg.task.verifier)
         self.envs = Environments(sources, self.tokenizer, self.verifier, chat=cfg.task.prompt_template == "chat",
                                  step_timeout_s=cfg.task.verifier.timeout_s * 4 + 30, tools=cfg.tools)
+        # Slot 0 in the trainer mesh's order, as the trainers lay it out (their cast is the first hop's input).
+        trainer_mesh = make_train_mesh(cfg.train_mesh, split_roles(jax.devices(), cfg.async_.train_workers)
+                                       .trainer_devices)
         self.transfer = HopChainTransfer(cfg.async_.train_workers, jax.devices(), bucket_mb=cfg.weightsync.bucket_mb,
-                                         timeout_s=cfg.weightsync.timeout_s)
+                                         timeout_s=cfg.weightsync.timeout_s, first_slot=trainer_mesh.devices.flat)
         self.payload = SyncPayload(mcfg, cfg.inference.params_dtype, cfg.lora)
         self.replicas: ReplicaSet | None = None
         monitor = threading.Thread(target=self._monitor, name="weight-sync-monitor", daemon=True)

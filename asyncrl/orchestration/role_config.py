@@ -21,7 +21,7 @@ from asyncrl.models.section import ModelSection
 from asyncrl.orchestration.config import AsyncConfig, CheckpointConfig, EvalConfig, LoggingConfig, RunConfig
 from asyncrl.tasks.config import TaskConfig
 from asyncrl.tools.config import ToolsConfig
-from asyncrl.train.config import LoraConfig, MoeConfig, ShardingConfig, TrainConfig
+from asyncrl.train.config import LoraConfig, MeshConfig, MoeConfig, ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.weightsync.config import WeightSyncConfig
 
@@ -80,6 +80,9 @@ class InferenceRoleConfig:
     """`endpoint`: the OpenAI-compatible server a host with agent sources runs over its first replica."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """`agent`: the function that plays `environment: agent` sources."""
+    train_mesh: MeshConfig = field(default_factory=MeshConfig)
+    """`sharding.mesh`: the trainer mesh, whose device order the weight sync's first slot follows
+    (`weightsync/transfer.py`, `first_slot`)."""
 
 
 @dataclass(frozen=True)

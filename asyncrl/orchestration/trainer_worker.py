@@ -73,7 +73,8 @@ class TrainerWorker:
         if self.staleness.admission is not None and "admission" in self._resume_meta:
             self.staleness.admission.restore(self._resume_meta["admission"])  # every host: each collector drops
         ws = cfg.weightsync
-        self.transfer = HopChainTransfer(self.tw, jax.devices(), bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s)
+        self.transfer = HopChainTransfer(self.tw, jax.devices(), bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s,
+                                         first_slot=self.trainer.mesh.devices.flat)
         self.infer_dtype = jnp.dtype(cfg.params_dtype)
         if self.rank == 0:
             self._build_feeder_and_evals()

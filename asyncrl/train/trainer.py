@@ -20,6 +20,7 @@ import numpy as np
 from asyncrl.models import lora as lora_lib, moe as moe_lib, params as params_lib
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
+from asyncrl.sharding.chain import chain_shardings
 from asyncrl.train.batch import HostMetrics, RLBatch, combine_host_metrics, pad_batch
 from asyncrl.train.config import ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
@@ -106,9 +107,12 @@ class Trainer:
             trained_shardings = self.base_shardings
             self.tx = make_optimizer(train_cfg, model.cfg)
         self.shardings = make_shardings(self.mesh, trained_shardings, self.params_abstract, self.tx, sharding_cfg)
+        # A sync's payload is cast straight into the hop chain's layout, split over every trainer chip, never whole
+        # on one (`weightsync/layout.py`). One object per tree: `_cast_fn` keys its programs on it.
+        self._sync_shardings = {"params": chain_shardings(self.mesh, params_lib.shapes(model.cfg, MASTER_DTYPE))}
         if self.lora is not None:
-            self._synced_shardings = {full: lora_lib.synced(self.shardings.params, full, self.lora.freeze_a)
-                                      for full in (True, False)}
+            synced = lambda full: lora_lib.synced(self.params_abstract, full, self.lora.freeze_a)  # noqa: E731
+            self._sync_shardings |= {full: chain_shardings(self.mesh, synced(full)) for full in (True, False)}
         ep = self.mesh.shape["expert"]
         if ep > 1 and (not model.cfg.is_moe or model.cfg.num_experts % ep):
             raise ConfigError(f"sharding.mesh.expert={ep} splits a mixture-of-experts model's experts: it must divide "
@@ -191,9 +195,8 @@ class Trainer:
 
     def _keep_reference(self) -> None:
         """The KL reference: a copy (the step donates `params`) of the params the run starts from."""
-        if self.loss_cfg.kl_coef == 0:
-            return
-        self.set_reference(self.params)
+        if self.loss_cfg.kl_coef > 0:
+            self.set_reference(self.params)
 
     def set_reference(self, params: Params) -> None:
         """Make `params` (any placement and dtype) the KL reference: cast to the reference dtype, on its shardings.
@@ -248,19 +251,19 @@ class Trainer:
             return self._cast_fn(dtype)(self.params)
 
     def sync_payload(self, dtype: Any, full: bool) -> Any:
-        """What a weight sync moves: the params cast to `dtype`; with LoRA, the adapters ({"adapters": ..}; B alone
-        after the first with `lora.freeze_a`), plus the base when `full` (a receiver's first sync), both cast to
-        `dtype`. Receivers merge (`lora.merge`, in fp32):
+        """What a weight sync moves, in the hop chain's layout (`weightsync/layout.py`): the params cast to `dtype`;
+        with LoRA, the adapters ({"adapters": ..}; B alone after the first with `lora.freeze_a`), plus the base
+        when `full` (a receiver's first sync), both cast to `dtype`. Receivers merge (`lora.merge`, in fp32):
         the merged weight is rounded to `dtype` anyway, and adapters in `dtype` perturb it far less than that
         rounding (their product is a small correction to W), for half the bytes of fp32 adapters in bf16."""
-        if self.lora is None:
-            return self.params_for_inference(dtype)
         self._require_params()
         with jax.set_mesh(self.mesh):
-            shardings = self._synced_shardings[full]  # one object per kind: `_cast_fn` keys its programs on it
-            out = {"adapters": self._cast_fn(dtype, shardings)(lora_lib.synced(self.params, full, self.lora.freeze_a))}
+            if self.lora is None:
+                return self._cast_fn(dtype, self._sync_shardings["params"])(self.params)
+            synced = lora_lib.synced(self.params, full, self.lora.freeze_a)
+            out = {"adapters": self._cast_fn(dtype, self._sync_shardings[full])(synced)}
             if full:
-                out["base"] = self._cast_fn(dtype)(self.base)
+                out["base"] = self._cast_fn(dtype, self._sync_shardings["params"])(self.base)
         return out
 
     def _merged_fn(self, dtype: Any) -> Any:
@@ -305,23 +308,21 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return self._step_fn.lower(state["params"], state["opt_state"], batch, step, ref, base)
 
-    def lower_sync_cast(self, dtype: Any, out_sharding: Any) -> jax.stages.Lowered:
-        """What precedes every weight sync: the inference-dtype cast, gathered whole onto `out_sharding` (the hop
-        chain's first slot, replicated). The optimizer state stays resident meanwhile, so it rides along as a
-        donated pass-through: the compiled peak then counts everything the trainer chips hold during a sync."""
+    def lower_sync_cast(self, dtype: Any) -> jax.stages.Lowered:
+        """What precedes every weight sync: `sync_payload`'s cast into the hop chain's layout, split over the
+        trainer chips (the chain's first slot). The optimizer state stays resident meanwhile, so it rides along as
+        a donated pass-through: the compiled peak then counts everything the trainer chips hold during a sync."""
         state = self.abstract_state()
         dtype = jnp.dtype(dtype)
-        out = jax.tree.map(lambda _: out_sharding, self.params_abstract)
         if self.lora is not None:  # the adapters alone travel (B alone with A frozen); the base stays resident
             base = self.abstract_reference()
-            out = lora_lib.synced(out, False, self.lora.freeze_a)
             fn = jax.jit(lambda p, o, b: (params_lib.cast(lora_lib.synced(p, False, self.lora.freeze_a), dtype), o, b),
                          donate_argnums=(1, 2),
-                         out_shardings=(out, self.shardings.opt_state, self.base_shardings))
+                         out_shardings=(self._sync_shardings[False], self.shardings.opt_state, self.base_shardings))
             with jax.set_mesh(self.mesh):
                 return fn.lower(state["params"], state["opt_state"], base)
         fn = jax.jit(lambda p, o: (params_lib.cast(p, dtype), o), donate_argnums=(1,),
-                     out_shardings=(out, self.shardings.opt_state))
+                     out_shardings=(self._sync_shardings["params"], self.shardings.opt_state))
         with jax.set_mesh(self.mesh):
             return fn.lower(state["params"], state["opt_state"])
 

@@ -1,9 +1,12 @@
 """Weight sync as a pipelined chain of cross-host `jax.device_put` hops inside the shared jax.distributed job.
 
 Hosts are cut into `n_slots = hosts / train_workers` equal slots of consecutive ranks; slot 0 holds the trainers.
-Each slot gets a 1-D mesh over its devices, and every leaf travels replicated over it. Slot i sends to slot i+1
-for i = 0..n_slots-2. This is the blog's `RDMATransferServer`; on TPU the hops ride ICI, on CPU the DCN transfer
-path (needs `jax_cross_host_transfer_socket_address`, see `enable_cpu_transfers`).
+Each slot gets a 1-D mesh over its devices (slot 0's in the trainer mesh's order, `first_slot`), and every leaf
+travels split over it (`chain_sharding`): each hop moves the model's bytes once, chip i to chip i, and no
+trainer chip ever holds the whole model. After the last hop each receiving slot gathers its leaves whole onto
+every one of its chips (the replicas take zero-copy views of them, `inference/weights.py`). Slot i sends to slot
+i+1 for i = 0..n_slots-2. This is the blog's `RDMATransferServer`; on TPU the hops ride ICI, on CPU the DCN
+transfer path (needs `jax_cross_host_transfer_socket_address`, see `enable_cpu_transfers`).
 
 Pipelining. The parameters are cut into buckets of about `bucket_mb` (`plan_buckets`: whole leaves packed in
 order; a leaf larger than a bucket is cut along its first axis, the stacked layer axis, into row ranges). The hops
@@ -22,15 +25,14 @@ while a sender's device_puts are in flight deadlocks (its gloo context setup tim
 has no such interaction and needs no compilation. Both have a timeout; inside the chain there is no barrier, and a
 hop that fails (the cross-host transfer has its own timeout) raises an error naming the hop and the bucket.
 
-Overlap. `prepare` does the part that may launch computations on the trainer mesh (reshard to the slot mesh,
-cut the buckets), and must run on the thread that runs the train step, so that every trainer process issues its
-collectives in the same order. `run`, the barriers and hops, may then run on a background thread (`start`): the
-trainer trains its next step while its previous weights travel.
+Overlap. `prepare` does the part that may launch computations on the trainer mesh (reshard to the sync layout
+where the sender's arrays are not in it already, cut the buckets), and must run on the thread that runs the train
+step, so that every trainer process issues its collectives in the same order. `run`, the barriers and hops, may
+then run on a background thread (`start`): the trainer trains its next step while its previous weights travel.
 """
 
 from __future__ import annotations
 
-import functools
 import random
 import socket
 import threading
@@ -40,12 +42,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax._src import distributed
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from asyncrl.sharding.chain import chain_sharding
 from asyncrl.sharding.roles import split_roles
+from asyncrl.weightsync.layout import Piece, concat_rows, plan_buckets, take_rows
 
 # Where `free_port` looks: above Ray's worker ports (10002-19999 by default) and below Linux's ephemeral range
 # (32768-60999 by default; macOS starts at 49152).
@@ -107,71 +110,8 @@ def barrier(name: str, timeout_s: float = 600.0, what: str = "") -> None:
 
 
 def slot_mesh(devices: np.ndarray) -> Mesh:
-    """A slot's 1-D mesh: the hop chain moves each leaf replicated over it."""
+    """A slot's 1-D mesh: the hop chain moves each leaf split over it (`chain_sharding`)."""
     return Mesh(devices, ("devices",), axis_types=(AxisType.Explicit,))
-
-
-# ------------------------------------------------------------------------------------------------ buckets
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows [start, stop) of flat leaf `leaf` along its first axis (the whole leaf when it is not cut)."""
-
-    leaf: int
-    start: int
-    stop: int
-    shape: tuple[int, ...]
-    dtype: Any
-    whole: bool
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
-
-
-def plan_buckets(shapes: Sequence[jax.ShapeDtypeStruct], bucket_bytes: int) -> list[list[Piece]]:
-    """Cut the flat leaves into buckets of at most `bucket_bytes` each (a single row larger than that is a bucket
-    of its own). Deterministic in the shapes alone, so every process plans the same buckets. `bucket_bytes <= 0`:
-    one bucket holding every leaf whole."""
-    whole = lambda i, s: Piece(i, 0, s.shape[0] if s.shape else 1, tuple(s.shape), s.dtype, True)  # noqa: E731
-    if bucket_bytes <= 0:
-        return [[whole(i, s) for i, s in enumerate(shapes)]]
-    buckets: list[list[Piece]] = []
-    cur: list[Piece] = []
-    used = 0
-
-    def add(p: Piece) -> None:
-        nonlocal cur, used
-        if cur and used + p.nbytes > bucket_bytes:
-            buckets.append(cur)
-            cur, used = [], 0
-        cur.append(p)
-        used += p.nbytes
-
-    for i, s in enumerate(shapes):
-        nbytes = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-        if nbytes <= bucket_bytes or not s.shape or s.shape[0] == 1:
-            add(whole(i, s))
-            continue
-        rows = s.shape[0]
-        per = max(1, bucket_bytes // (nbytes // rows))
-        for a in range(0, rows, per):
-            b = min(rows, a + per)
-            add(Piece(i, a, b, (b - a, *s.shape[1:]), s.dtype, False))
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _rows(x: jax.Array, start: int, stop: int) -> jax.Array:
-    return jax.lax.slice_in_dim(x, start, stop, axis=0)
-
-
-@jax.jit
-def _concat(*xs: jax.Array) -> jax.Array:
-    return jnp.concatenate(xs, axis=0)
 
 
 # ------------------------------------------------------------------------------------------------ the chain
@@ -244,18 +184,28 @@ def _ready_within(tree: Any, timeout_s: float) -> Any:
 class HopChainTransfer:
     def __init__(self, train_workers: int, devices: Sequence[jax.Device] | None = None, *, bucket_mb: float = 512.0,
                  timeout_s: float = 600.0, hop_delay_s: float = 0.0,
-                 on_event: Callable[[str, int, int], None] | None = None):
+                 on_event: Callable[[str, int, int], None] | None = None,
+                 first_slot: Sequence[jax.Device] | None = None):
         """`devices`: every device of the job (default `jax.devices()`), split into slots by `split_roles`.
         `bucket_mb`: pipelining granularity (0 = one bucket). `timeout_s`: the start/end barriers' timeout.
-        `hop_delay_s` and `on_event(kind, bucket, hop)` ("send" before a bucket leaves this slot, "recv" once a
-        bucket is held here) exist for tests that show the pipelining by the order of events."""
+        `first_slot`: slot 0's devices in the trainer mesh's order (`trainer.mesh.devices.flat`; default: by host
+        and id), so that the trainer's cast, made in the sync layout on its own mesh, is already the first hop's
+        input (no reshard). Every process must pass the same order: a receiver pairs shard k with the sender's
+        k-th chip. `hop_delay_s` and `on_event(kind, bucket, hop)` ("send" before a bucket leaves this slot,
+        "recv" once a bucket is held here) exist for tests that show the pipelining by the order of events."""
         split = split_roles(jax.devices() if devices is None else devices, train_workers)
         self.train_workers = train_workers
         self.slots = [np.array(s) for s in split.slots()]
+        if first_slot is not None:
+            first = list(first_slot)
+            if len(first) != len(self.slots[0]) or set(first) != set(self.slots[0]):
+                raise ValueError(f"first_slot ({len(first)} devices) must order the trainer hosts' "
+                                 f"{len(self.slots[0])} devices, and only them")
+            self.slots[0] = np.array(first)
         self.n_slots = len(self.slots)
         self.slot_size = len(self.slots[0])
         self.meshes = [slot_mesh(d) for d in self.slots]
-        self.shardings = [NamedSharding(m, P()) for m in self.meshes]
+        self.shardings = [NamedSharding(m, P()) for m in self.meshes]  # what a receiving slot delivers: whole leaves
         self.slot = jax.process_index() // train_workers
         self.bucket_bytes = int(bucket_mb * 1e6)
         self.timeout_s = timeout_s
@@ -300,8 +250,8 @@ class HopChainTransfer:
         buckets = plan_buckets(flat, self.bucket_bytes if self.n_slots > 2 else 0)
         pieces = None
         if self.slot == 0:
-            leaves = jax.tree.leaves(jax.device_put(tree, self.shardings[0]))
-            pieces = [[leaves[p.leaf] if p.whole else _rows(leaves[p.leaf], p.start, p.stop) for p in b]
+            leaves = [self._in_layout(x) for x in jax.tree.leaves(tree)]
+            pieces = [[leaves[p.leaf] if p.whole else take_rows(leaves[p.leaf], p.start, p.stop) for p in b]
                       for b in buckets]
         index = self.transfers
         self.transfers += 1
@@ -329,8 +279,18 @@ class HopChainTransfer:
 
     # ---- internals ------------------------------------------------------------------------------------------
 
+    def _in_layout(self, x: jax.Array) -> jax.Array:
+        """A sender's leaf on slot 0's mesh in the sync layout: a view of its buffers where it is laid out so
+        already (the trainer's cast, on a mesh of the same device order), else resharded (a computation on the
+        trainer chips)."""
+        s = chain_sharding(self.meshes[0], x.shape)
+        if isinstance(x, jax.Array) and x.sharding.devices_indices_map(x.shape) == s.devices_indices_map(x.shape):
+            return jax.make_array_from_single_device_arrays(x.shape, s, [a.data for a in x.addressable_shards])
+        return jax.device_put(x, s)
+
     def _empty(self, p: Piece, slot: int) -> jax.Array:
-        return jax.make_array_from_single_device_arrays(p.shape, self.shardings[slot], [], dtype=p.dtype)
+        return jax.make_array_from_single_device_arrays(p.shape, chain_sharding(self.meshes[slot], p.shape), [],
+                                                        dtype=p.dtype)
 
     def _chain(self, prep: Prepared, what: str) -> list[Any]:
         """Tick t: hop i (slot i -> i+1) moves bucket t - i. A slot s > 0 blocks on bucket t - s, which it
@@ -355,7 +315,8 @@ class HopChainTransfer:
                     src = held[b]
                 else:
                     src = [self._empty(p, i) for p in prep.buckets[b]]
-                moved = jax.device_put(src, self.shardings[i + 1])
+                # Same layout on both ends (a cross-host device_put cannot reshard): chip k sends to chip k.
+                moved = jax.device_put(src, [chain_sharding(self.meshes[i + 1], p.shape) for p in prep.buckets[b]])
                 if self.slot == i + 1:
                     held[b] = moved
         return held
@@ -375,10 +336,18 @@ class HopChainTransfer:
         return out
 
     def _assemble(self, prep: Prepared, held: list[Any]) -> Any:
-        """Leaves back from their pieces (a cut leaf is concatenated once, on this slot's mesh)."""
+        """Leaves back from their pieces (a cut leaf is concatenated once, on this slot's mesh), then gathered
+        whole onto every chip of the slot (a collective over the slot's hosts; after the end barrier, when no
+        transfer is in flight)."""
         parts: list[list[jax.Array]] = [[] for _ in prep.shapes]
         for bucket, arrays in zip(prep.buckets, held):
             for p, x in zip(bucket, arrays):
                 parts[p.leaf].append(x)
-        leaves = [ps[0] if len(ps) == 1 else _concat(*ps) for ps in parts]
-        return jax.tree.unflatten(prep.treedef, jax.block_until_ready(leaves))
+        leaves = [ps[0] if len(ps) == 1 else concat_rows(*ps) for ps in parts]
+        whole = jax.device_put(leaves, self.shardings[self.slot])
+        try:  # a collective over the slot's hosts: a peer that died after the end barrier would block it forever
+            whole = _ready_within(whole, self.timeout_s)
+        except TimeoutError as e:
+            raise TimeoutError(f"weight sync: slot {self.slot}'s gather of the received weights: {e} "
+                               "(weightsync.timeout_s); a host of the slot is gone") from None
+        return jax.tree.unflatten(prep.treedef, whole)
