@@ -20,8 +20,9 @@ token out). Neutral ground: inference produces them and train consumes them, and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -214,3 +215,13 @@ class Environment(Protocol):
     def reset(self) -> list[int]: ...
 
     def step(self, turn: Turn) -> StepResult: ...
+
+
+@runtime_checkable
+class AsyncEnvironment(Protocol):
+    """An episode whose answers come on their own time (a session's: its agent's next call): `step_async` returns at
+    once, and the engine waits on the future without holding one of its environment threads meanwhile."""
+
+    def reset(self) -> list[int]: ...
+
+    def step_async(self, turn: Turn) -> Future[StepResult]: ...

@@ -7,13 +7,20 @@ outside the repo. One run checks the acceptance of token exactness through the e
   the sampler's at every sampled token, fp32, within 1e-4;
 - re-rendering the agent's history (the chat template writes the sampled `{"name":"add",...}` back spaced) would
   change the ids: the trajectory keeps the sampled ones.
+- the Ray dashboard's Prometheus endpoint shows the endpoint's request rate and latency while the run goes (the
+  `endpoint_requests` counter by server and status, the `endpoint_latency_s` histogram: `endpoint/metrics.py`).
 The model is the endpoint tests' bigram table (`endpoint_fixtures.tool_call_model`), sampling its tool call at
 temperature 1 (p ~0.9995 a token), with a little context mixing, saved as a Hugging Face folder."""
 
 import dataclasses
+import http.client
 import json
 import os
+import re
+import socket
 import textwrap
+import threading
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +61,32 @@ def run(base_url, api_key, sample):
 '''
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(url: str, stop: threading.Event, out: list[str]) -> None:
+    """Keeps in `out` the latest Prometheus text at `url` that has the endpoint's metrics."""
+    while not stop.wait(2.0):
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text = r.read().decode("utf-8", "replace")
+        except (OSError, http.client.HTTPException):  # e.g. a read cut short while Ray's agent restarts
+            continue
+        if "endpoint_latency_s" in text:
+            out[:] = [text]
+
+
+def _series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(tags, value) of every sample of metric `name` (Ray prefixes `ray_`; a counter may end in `_total`)."""
+    out = []
+    for tags, value in re.findall(rf"^(?:ray_)?{name}\{{([^}}]*)\}}\s+(\S+)$", text, re.M):
+        out.append((dict(re.findall(r'(\w+)="([^"]*)"', tags)), float(value)))
+    return out
+
+
 def _checkpoint(run_dir: str, where: str, step: int):
     import orbax.checkpoint as ocp
 
@@ -91,6 +124,10 @@ def test_an_agent_trains_token_exact_through_the_endpoint(tmp_path):
     (pkg / "agent.py").write_text(textwrap.dedent(AGENT).format(tools=json.dumps(TOOLS), log=str(log)))
     run_dir = str(tmp_path / "run")
     steps = 3
+    metrics_port, scraped, stop = _free_port(), [], threading.Event()
+    scraper = threading.Thread(target=_scrape, args=(f"http://127.0.0.1:{metrics_port}/metrics", stop, scraped),
+                               daemon=True)
+    scraper.start()
     res = launch(run_dir, f"model.path={folder}", "run.hosts=3", "async.train_workers=1",
                  "async.max_lag=2", f"train.total_steps={steps}", "train.format_warmstart_steps=0",
                  "train.train_batch_size=8", "train.lr=1e-4", "train.warmup_steps=1", "inference.group_size=4",
@@ -101,8 +138,11 @@ def test_an_agent_trains_token_exact_through_the_endpoint(tmp_path):
                  "task.sources=[{environment: agent, options: {task: digits}}]", "agent.fn=my_agent.agent:run",
                  "agent.workers=8", "agent.timeout_s=300", "checkpoint.every_n_steps=1", "checkpoint.keep=3",
                  "checkpoint.resume=false", "loss.kl_coef=0.001", "logging.rollouts_every_n_steps=1",
-                 "logging.rollout_tokens=true", "logging.progress=false", timeout=900,
-                 env_extra={"PYTHONPATH": str(pkg.parent)})
+                 "logging.rollout_tokens=true", "logging.progress=false", "run.dashboard=true",
+                 f"run.dashboard_port={_free_port()}", f"run.metrics_export_port={metrics_port}", timeout=900,
+                 env_extra={"PYTHONPATH": str(pkg.parent), "RAY_metrics_report_interval_ms": "1000"})
+    stop.set()
+    scraper.join()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     metrics = rows(run_dir)
     assert [x["step"] for x in metrics] == list(range(1, steps + 1))
@@ -114,6 +154,16 @@ def test_an_agent_trains_token_exact_through_the_endpoint(tmp_path):
     assert len(items) == steps * 8 and all(c["end"] == "done" if "end" in c else True for _, c in items)
     lags = [r["trainer_version"] - min(c["tokens"]["versions"]) for r, c in items]
     assert max(lags) <= 2
+
+    # 4. The dashboard: the endpoint's requests counted by server and status, their latencies in the histogram.
+    assert scraped, f"the endpoint's metrics never showed up at 127.0.0.1:{metrics_port}"
+    answered = [(t, v) for t, v in _series(scraped[0], "endpoint_requests(?:_total)?") if t.get("status") == "200"]
+    assert answered and all(t["server"].startswith("inference") for t, _ in answered), answered
+    assert sum(v for _, v in answered) >= 3, answered  # an agent's three calls at least
+    timed = _series(scraped[0], "endpoint_latency_s_count")
+    assert timed and sum(v for _, v in timed) >= 3, timed
+    buckets = [(float(t["le"]), v) for t, v in _series(scraped[0], "endpoint_latency_s_bucket")]
+    assert buckets and max(v for _, v in buckets) >= 3, buckets
 
     # 1. The trajectory is what the server sampled, with the observation ids it inserted between the calls. A call
     # after a plain answer adds a user message, after which Qwen3's template renders the answer differently: the

@@ -7,6 +7,7 @@ as a group's episodes, and the ways they fail."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax.numpy as jnp
 import numpy as np
@@ -174,6 +175,20 @@ def test_idle_sessions_have_their_own_bound_and_are_forgotten(setup, monkeypatch
     store.end("later", 0.0)
 
 
+def test_open_sessions_hold_no_environment_thread(setup):
+    """An open session's episode waits for its agent's next call on a future, holding no engine thread: more open
+    sessions than the engine has environment threads are all served (with a thread each, the first turn of the one
+    past `inference.env_threads` waited for an open one to go idle, `endpoint.session_idle_s`)."""
+    server, client = setup[3], setup[-1].with_options(timeout=30)
+    n, before = server.engine.cfg.env_threads + 1, server.loop.sessions
+    with ThreadPoolExecutor(n) as ex:  # every episode then waits for its agent's next call
+        turns = list(ex.map(lambda i: _agent_calls(client, f"open{i}", "Add one to 1.", calls=1)[1][0], range(n)))
+    assert all(t.choices[0].finish_reason == "tool_calls" for t in turns) and server.loop.sessions == before + n
+    for i in range(n):
+        server.sessions.end(f"open{i}", 0.0)
+    assert server.loop.sessions == before
+
+
 def test_renderers_are_bounded(setup, monkeypatch):
     server = setup[3]
     store = server.sessions
@@ -187,4 +202,87 @@ def test_an_agent_runner_shuts_its_pool_down(setup):
     runner = AgentRunner(setup[3], AgentConfig(fn="tests.endpoint_agents:never_calls", timeout_s=5))
     runner.close()
     (c,) = runner.run_group(Prompt(2, "x", 1)).completions
-    assert c.end_reason == "agent_error" and "shutdown" in c.env_info[0]["error"]
+    assert c.end_reason == "agent_error" and "shut down" in c.env_info[0]["error"]
+
+
+def test_a_hung_agent_does_not_stall_the_episodes_after_it(setup):
+    """A timed-out agent's thread cannot be killed; it gives its worker's place back at the timeout, so the next
+    episode starts at once instead of waiting for the hung one to return (with one worker, it would have waited)."""
+    runner = AgentRunner(setup[3], AgentConfig(fn="tests.endpoint_agents:hangs", timeout_s=1, workers=1))
+    (c,) = runner.run_group(Prompt(3, "x", 1)).completions
+    assert c.end_reason == "agent_timeout" and runner.leaked == 1
+    runner.fn = resolve("tests.endpoint_agents:never_calls")
+    t0 = time.monotonic()
+    (c,) = runner.run_group(Prompt(4, "x", 1)).completions
+    assert c.end_reason == "agent_no_call" and time.monotonic() - t0 < 2.0  # the hung agent sleeps 3 s more
+    deadline = time.monotonic() + 10
+    while runner.leaked and time.monotonic() < deadline:  # its thread ends when it returns, and is counted out
+        time.sleep(0.1)
+    assert runner.leaked == 0
+
+
+def test_an_agents_own_timeout_error_is_an_agent_error(setup):
+    """On Python 3.11+ the wait's timeout and an agent's own TimeoutError are one class: an agent that raises it at
+    once failed (agent_error), it did not run past agent.timeout_s (nothing leaked)."""
+    runner = AgentRunner(setup[3], AgentConfig(fn="tests.endpoint_agents:hangs", timeout_s=30, workers=1))
+
+    def raises(url, key, sample):
+        raise TimeoutError("the agent's own socket timeout")
+
+    runner.fn = raises
+    t0 = time.monotonic()
+    (c,) = runner.run_group(Prompt(5, "x", 1)).completions
+    assert c.end_reason == "agent_error" and runner.leaked == 0 and time.monotonic() - t0 < 10
+
+
+def test_session_env_timers_and_async_steps():
+    """The idle timer holds its env weakly (an answered step's env is not kept alive for session_idle_s); a timer
+    that fires after the answer does nothing; the engine's async-step wrapper turns a step_async that raises,
+    returns a coroutine, or is cancelled into a failed future (the episode ends 'env_error', not the decode loop)."""
+    import gc
+    import weakref
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from asyncrl.endpoint.sessions import SessionEnv, _Command
+    from asyncrl.inference.turns import EpisodeDriver
+
+    timers = []
+    env = SessionEnv([1, 2], 300.0, None, lambda s, fn: timers.append(fn))
+    fut = env.step_async(None)
+    assert not fut.done() and len(timers) == 1
+    env.send(_Command(reward=1.0, reason="done"))
+    assert fut.result(0).done and fut.result(0).reward == 1.0
+    ref = weakref.ref(env)
+    del env, fut
+    gc.collect()
+    assert ref() is None  # the pending timer did not keep it
+    timers[0]()  # fires late, on a collected env: nothing happens
+
+    env = SessionEnv([1], 300.0, None, lambda s, fn: timers.append(fn))
+    fut = env.step_async(None)
+    timers[-1]()  # unanswered: the step expires
+    assert fut.result(0).reason == "session_idle"
+
+    class Raises:
+        def reset(self):
+            return []
+
+        def step_async(self, turn):
+            raise ValueError("broken environment")
+
+    class Coroutine(Raises):
+        async def step_async(self, turn):
+            return None
+
+    class Cancelled(Raises):
+        def step_async(self, turn):
+            f: Future = Future()
+            f.cancel()
+            return f
+
+    driver = SimpleNamespace()
+    for env_cls, err in ((Raises, ValueError), (Coroutine, TypeError), (Cancelled, RuntimeError)):
+        out = EpisodeDriver._step(driver, SimpleNamespace(env=env_cls()), None)
+        with pytest.raises(err):
+            out.result(1)

@@ -4,12 +4,14 @@ any OpenAI client, as many calls as it likes, concurrently, with tools.
 
 Each sample of a group is one session (`sessions.py`): the agent's calls carry its `session_id` (given to the
 function in its sample view, `AgentSample`, and as the default body field of a client made by
-`AgentSample.client()`). The function runs on a bounded pool of threads, never the decode thread. Its return ends the
-session with that reward; an agent that raises, runs past `agent.timeout_s`, or never calls the endpoint ends its
-episode with a reason ("agent_error", "agent_timeout", "agent_no_call") and the group goes on without it failing the
-run. Its `agent.timeout_s` counts from the moment the function starts on the pool, not from when it was queued. A
-timed-out agent's thread cannot be killed: its session is closed, so its later calls are refused (409), and it
-holds its pool thread until it returns."""
+`AgentSample.client()`). The function runs on a thread of its own, never the decode thread, at most `agent.workers`
+at once within their timeouts. Its return ends the session with that reward; an agent that raises, runs past
+`agent.timeout_s`, or never calls the endpoint ends its episode with a reason ("agent_error", "agent_timeout",
+"agent_no_call") and the group goes on without it failing the run. Its `agent.timeout_s` counts from the moment the
+function starts, not from when it waited for a place among the workers. A timed-out agent's thread cannot be killed:
+its session is closed, so its later calls are refused (409), and its thread runs on (counted in `leaked`) but gives
+its place back at the timeout, so a hung agent never stalls the episodes after it (a fixed pool would lose a thread to
+each), and, a daemon, it never holds up the process's exit."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,12 +81,37 @@ class AgentRunner:
         None: an agent must return a number."""
         self.server, self.cfg, self.grade = server, cfg, grade
         self.fn = fn if fn is not None else resolve(cfg.fn)
-        self.pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="agent")
+        self.places = threading.Semaphore(cfg.workers)  # agents running at once
+        self.closed = threading.Event()
+        self._hung: set[Future] = set()  # timed-out agents whose threads still run
+        self._lock = threading.Lock()
+
+    @property
+    def leaked(self) -> int:
+        """Agents past their timeout whose threads still run (a thread cannot be killed)."""
+        with self._lock:
+            return len(self._hung)
 
     def close(self) -> None:
-        """Stop taking agents; queued ones are cancelled. Running ones cannot be killed: their sessions are closed
+        """Stop taking agents; waiting ones end unplayed. Running ones cannot be killed: their sessions are closed
         by `_episode` as they time out, and their threads end with them."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.closed.set()
+
+    def _start(self, view: AgentSample) -> Future:
+        """The agent on a daemon thread of its own; its future gets the return or the exception."""
+        fut: Future = Future()
+
+        def call() -> None:
+            try:
+                fut.set_result(self.fn(view.base_url, view.api_key, view))
+            except BaseException as e:  # noqa: BLE001 - handed to the episode, which ends with its reason
+                fut.set_exception(e)
+            finally:
+                with self._lock:
+                    self._hung.discard(fut)
+
+        threading.Thread(target=call, name=f"agent-{view.session_id[-8:]}", daemon=True).start()
+        return fut
 
     def _reward(self, out: Any, sample: Any) -> float:
         if isinstance(out, str):
@@ -96,27 +123,34 @@ class AgentRunner:
     def _episode(self, prompt: Prompt) -> list[tuple[np.ndarray, Completion]]:
         sid = f"agent-{uuid.uuid4().hex}"
         view = AgentSample(prompt.sample, sid, self.server.url, self.server.cfg.api_key or "none")
-        started = threading.Event()
-
-        def call() -> Any:
-            started.set()
-            return self.fn(view.base_url, view.api_key, view)
-
-        try:
-            fut = self.pool.submit(call)
-        except RuntimeError as e:  # the runner was closed (the host is stopping): the episode ends, unplayed
-            return [(np.zeros(0, np.int32), _empty("agent_error", f"the agent pool is shut down: {e}"))]
+        # The runner was closed (the host is stopping): the episode ends, unplayed.
+        shut = [(np.zeros(0, np.int32), _empty("agent_error", "the agent pool is shut down"))]
+        while not self.places.acquire(timeout=1.0):  # waiting behind other agents: that time is not this agent's
+            if self.closed.is_set():
+                return shut
+        if self.closed.is_set():
+            self.places.release()
+            return shut
         store = self.server.sessions
         try:
-            while not started.wait(1.0):  # queued behind other agents: that time is not this agent's
-                if fut.done():
-                    break
+            fut = self._start(view)
             reward, reason, error = self._reward(fut.result(self.cfg.timeout_s), prompt.sample), "done", ""
-        except FutureTimeout:
-            reward, reason, error = 0.0, "agent_timeout", f"no return within agent.timeout_s={self.cfg.timeout_s}"
+        except FutureTimeout as e:
+            if fut.done() and fut.exception() is e:  # the agent's own TimeoutError (the same class on 3.11+)
+                log.warning("agent %s failed on %s: %r", self.cfg.fn, prompt.id, e)
+                reward, reason, error = 0.0, "agent_error", repr(e)
+            else:
+                with self._lock:
+                    if not fut.done():  # else its thread is past its return, and ends now
+                        self._hung.add(fut)
+                log.warning("agent %s ran past agent.timeout_s=%g on %s; its thread runs on (%d such)", self.cfg.fn,
+                            self.cfg.timeout_s, prompt.id, self.leaked)
+                reward, reason, error = 0.0, "agent_timeout", f"no return within agent.timeout_s={self.cfg.timeout_s}"
         except Exception as e:  # noqa: BLE001 - an agent's failure ends its episode, never the run
             log.warning("agent %s failed on %s: %r", self.cfg.fn, prompt.id, e)
             reward, reason, error = 0.0, "agent_error", repr(e)
+        finally:
+            self.places.release()  # a timed-out agent's thread runs on, but holds no worker's place
         try:
             rollouts = store.end(sid, reward, reason)
         except Exception as e:  # noqa: BLE001 - a branch whose turn never ends fails its episode, not the group
@@ -135,8 +169,8 @@ class AgentRunner:
         return done
 
     def run_group(self, prompt: Prompt) -> Rollout:
-        """The group of `prompt.n` episodes, each its own session (run on the pool's threads, side by side)."""
-        with ThreadPoolExecutor(prompt.n) as ex:  # waits on the agents, which run on self.pool
+        """The group of `prompt.n` episodes, each its own session (their agents run side by side)."""
+        with ThreadPoolExecutor(prompt.n) as ex:  # waits on the agents, which run on threads of their own
             groups = list(ex.map(lambda _: self._episode(prompt), range(prompt.n)))
         head, done = fold([c for g in groups for c in g])
         return Rollout(prompt, head, done, worker=self.server.engine.name)

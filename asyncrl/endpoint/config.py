@@ -33,8 +33,8 @@ class EndpointConfig:
     request_timeout_s: float = 600.0
     """How long a request may wait for its completion before it is answered 504."""
     session_idle_s: float = 300.0
-    """How long a session's episode waits for the agent's next call (holding an environment thread and, while the
-    park store has room, its cache) before it ends with reason 'session_idle'."""
+    """How long a session's episode waits for the agent's next call (holding its cache while the park store has room;
+    no thread) before it ends with reason 'session_idle'."""
     strict_sampling: bool = True
     """The decode program samples at the run's temperature, with its per-turn cap and stop sequences: the trainer's
     logprobs assume exactly that. True: a request asking for other `temperature`, `top_p`, a smaller `max_tokens`
@@ -61,7 +61,8 @@ class AgentConfig:
     timeout_s: float = 300.0
     """Wall time one agent may take; past it its episode ends ('agent_timeout')."""
     workers: int = 32
-    """Agents run at once per host (threads)."""
+    """Agents run at once per host (a thread each). One past `timeout_s` gives its place back; its thread, which
+    cannot be killed, runs on until it returns (its session's later calls are refused)."""
     branches: str = "drop"
     """What the trainer gets of a session whose agent edited its history: 'drop' trains the last branch only (the
     earlier ones stay in its `env_info`), 'keep' trains every branch as its own trajectory in the group."""

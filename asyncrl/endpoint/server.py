@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -98,6 +99,15 @@ class EndpointServer:
         if failed:
             raise failed[0]
         return self.url
+
+    def later(self, seconds: float, fn: Callable[[], None]) -> None:
+        """`fn()` on the server's event loop after `seconds` (a session's idle timeout: a timer, not a thread)."""
+        aio = self._aio
+        try:
+            aio.call_soon_threadsafe(aio.call_later, seconds, fn)  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError):  # not started, or stopped: no call can answer it, so it fires now
+            log.info("endpoint server not running: a %gs timer fires at once", seconds)
+            fn()
 
     def stop(self) -> None:
         if self._aio is not None:

@@ -15,18 +15,19 @@ message) starts a new branch from a fresh render, recorded in its prompt's sampl
 branch is its own episode and reaches the trainer as its own trajectory when the session ends (`SessionStore.end`,
 with the reward).
 
-Each episode's environment is a `SessionEnv`: its `step` hands the sampled turn to the waiting call and waits for the
-next call's observation, on the engine's environment threads (off the decode thread), at most
-`endpoint.session_idle_s`; an idle session's episodes end (reason "session_idle")."""
+Each episode's environment is a `SessionEnv`: its step hands the sampled turn to the waiting call and waits for the
+next call's observation on a future (no engine thread held while the agent works), at most `endpoint.session_idle_s`;
+an idle session's episodes end (reason "session_idle")."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import threading
 import time
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,25 +64,61 @@ class _Command:
 
 
 class SessionEnv:
-    """The environment of one branch: relays turns out to the calls and their observations in."""
+    """The environment of one branch: relays turns out to the calls and their observations in. An
+    `AsyncEnvironment`: while the agent works, the episode waits on a future, holding no engine thread (open sessions
+    would otherwise fill the engine's environment threads and stall every episode's steps behind them)."""
 
     stop: tuple = ()
 
-    def __init__(self, prompt: list[int], idle_s: float, waiter: Future):
-        self.prompt, self.idle_s, self.waiter = prompt, idle_s, waiter
-        self.inbox: queue.Queue[_Command] = queue.Queue()
+    def __init__(self, prompt: list[int], idle_s: float, waiter: Future,
+                 later: Callable[[float, Callable[[], None]], None]):
+        """`later(seconds, fn)`: calls `fn` after `seconds` (the server's event loop: the idle timeout's timer)."""
+        self.prompt, self.idle_s, self.waiter, self.later = prompt, idle_s, waiter, later
+        self._commands: deque[_Command] = deque()  # sent before the engine asked
+        self._next: Future | None = None  # the engine's wait for the next command
+        self._steps = 0
+        self._lock = threading.Lock()
 
     def reset(self) -> list[int]:
         return list(self.prompt)
 
-    def step(self, turn: Turn) -> StepResult:
+    def step_async(self, turn: Turn) -> Future:
         if self.waiter is not None:
             self.waiter.set_result(turn)
             self.waiter = None
-        try:
-            cmd = self.inbox.get(timeout=self.idle_s)
-        except queue.Empty:
-            return StepResult(None, 0.0, True, "session_idle")
+        fut: Future = Future()
+        with self._lock:
+            self._steps += 1
+            step = self._steps
+            cmd = self._commands.popleft() if self._commands else None
+            if cmd is None:
+                self._next = fut
+        if cmd is not None:
+            fut.set_result(self._result(cmd))
+        else:
+            # The timer lives session_idle_s whatever happens meanwhile: it holds the env weakly, so an answered
+            # step's env (its prompt, waiter, queue) is not kept alive by its pending timer.
+            ref = weakref.ref(self)
+            self.later(self.idle_s, lambda: (env := ref()) is not None and env._expire(step))
+        return fut
+
+    def send(self, cmd: _Command) -> None:
+        """The next call's observation, or the end of the episode."""
+        with self._lock:
+            fut, self._next = self._next, None
+            if fut is None:
+                self._commands.append(cmd)
+                return
+        fut.set_result(self._result(cmd))
+
+    def _expire(self, step: int) -> None:
+        with self._lock:
+            if self._next is None or self._steps != step:  # answered meanwhile
+                return
+            fut, self._next = self._next, None
+        fut.set_result(StepResult(None, 0.0, True, "session_idle"))
+
+    def _result(self, cmd: _Command) -> StepResult:
         if cmd.observation is None:
             return StepResult(None, cmd.reward, True, cmd.reason)
         self.waiter = cmd.waiter
@@ -190,18 +227,18 @@ class SessionStore:
             except ValueError:  # the template re-renders earlier turns once these follow (Qwen3 after a new user
                 # message): the history is not a prefix of any render. A new branch; the old one's history has
                 # moved on, so its episode ends now (its row and cache freed) and gets its reward at `end`.
-                branch.env.inbox.put(_Command(reason="branched"))
+                branch.env.send(_Command(reason="branched"))
                 branch.busy = True  # never extended again
                 branch = None
         if branch is not None:
             server.check_context(branch.ids + obs, "messages")
             prompt_ids = branch.ids + obs
             branch.busy = True
-            branch.env.inbox.put(_Command(observation=obs, waiter=waiter))
+            branch.env.send(_Command(observation=obs, waiter=waiter))
             return branch, prompt_ids, waiter
         prompt_ids = server.chat.prompt_ids(req.messages, req.tools)
         server.check_context(prompt_ids, "messages")
-        env = SessionEnv(prompt_ids, self.idle_s, waiter)
+        env = SessionEnv(prompt_ids, self.idle_s, waiter, server.later)
         index = len(branches)
         prompt = Prompt(server.next_position(), SessionSample(sid, index), 1)  # type: ignore[arg-type]
         try:
@@ -243,7 +280,7 @@ class SessionStore:
                 self.closed.popitem(last=False)
             branches = self.sessions.pop(session, [])
         for b in branches:
-            b.env.inbox.put(_Command(reward=reward, reason=reason))
+            b.env.send(_Command(reward=reward, reason=reason))
         out = [b.rollout.result(timeout) for b in branches]
         for r in out:  # a branch ended early ("branched") had no reward yet
             for c in r.completions:

@@ -22,7 +22,7 @@ from asyncrl.inference.scheduler import Scheduler
 from asyncrl.inference.state import FinishedRow
 from asyncrl.inference.stats import EngineStats
 from asyncrl.models.tokenizer import Tokenizer
-from asyncrl.rollout import Rollout, StepResult, Turn
+from asyncrl.rollout import AsyncEnvironment, Rollout, StepResult, Turn
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,15 @@ class EpisodeDriver:
     # ---- environment steps ----------------------------------------------------------------------------------
 
     def _step(self, ep: Episode, turn: Turn) -> Future:
-        """The environment's step, on a worker thread; it records its own duration."""
+        """The environment's step, on a worker thread (an `AsyncEnvironment`'s on its own time, holding none); it
+        records its own duration."""
+        if isinstance(ep.env, AsyncEnvironment):
+            try:  # its failure ends the episode ('env_error'), as a synchronous step's does, not the decode loop
+                return _timed(time.perf_counter(), ep.env.step_async(turn))
+            except Exception as e:  # noqa: BLE001 - handed to the episode through the future
+                failed: Future = Future()
+                failed.set_exception(e)
+                return failed
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.cfg.env_threads, thread_name_prefix=f"{self.name}-env")
 
@@ -201,3 +209,24 @@ class EpisodeDriver:
                 state = self.scheduler.prefill([c.target.episode.history(c.group.rollout.prompt_tokens) for c in rest])
                 entries += [Queued(state, i, c.target) for i, c in enumerate(rest)]
             self.scheduler.queue.extendleft(reversed(entries))
+
+
+def _timed(t0: float, step: Future) -> Future:
+    """`step`'s result with the seconds since `t0`, as the pool's steps give it."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        if f.cancelled():
+            out.set_exception(RuntimeError("the environment's step was cancelled"))
+            return
+        e = f.exception()
+        if e is not None:
+            out.set_exception(e)
+        else:
+            out.set_result((f.result(), time.perf_counter() - t0))
+
+    if not isinstance(step, Future):  # e.g. an `async def step_async`: a coroutine is not a concurrent Future
+        getattr(step, "close", lambda: None)()  # a coroutine closed, not left to warn that it was never awaited
+        raise TypeError(f"step_async returned {type(step).__name__}, not a concurrent.futures.Future")
+    step.add_done_callback(done)
+    return out
