@@ -13,26 +13,49 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: heavy test (real model, multi-process); deselect with -m 'not slow'")
 
 
-# The default-suite modules whose tests start local Ray clusters (launch.py runs, ray.init). Under `-n 2 --dist
-# loadfile` one worker runs them all, one at a time: test_orchestration_e2e asserts that every Ray process its run
-# started is gone afterwards, and would count another worker's.
-RAY_MODULES = {"test_failures.py", "test_lora_run.py", "test_orchestration_e2e.py", "test_own_environment.py"}
+# The tests that start local Ray clusters (launch.py runs, ray.init, `ray start`), default and slow: whole modules,
+# and single tests of modules whose other tests run in one process. Under `-n 2 --dist loadfile` they are one unit
+# of work, which one worker runs one test at a time while the other runs the in-process modules beside it:
+# test_orchestration_e2e asserts that every Ray process its run started is gone afterwards (another worker's would
+# count), and the multi-process runs' waits and timeouts are sized for one run at a time (two at once put the load
+# at 7-8 on 2 cores and finished no sooner, 2026-12-07).
+RAY_MODULES = {"test_agent_run.py", "test_chaos.py", "test_console.py", "test_dashboard.py", "test_failures.py",
+               "test_local_default.py", "test_lora_run.py", "test_orchestration_e2e.py",
+               "test_orchestration_resilience.py", "test_own_environment.py", "test_plan_from_run.py",
+               "test_rollout_tokens.py"}
+RAY_TESTS = {"test_lookup_learning.py::test_three_hosts_with_max_lag_2_train_multi_turn_episodes"}
+RAY_UNIT = "ray"
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test under `-n 2 --dist loadfile`: its module, or the Ray unit."""
+    module, _, name = nodeid.partition("::")
+    base = os.path.basename(module)
+    if base in RAY_MODULES or f"{base}::{name.split('[', 1)[0]}" in RAY_TESTS:
+        return RAY_UNIT
+    return module
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`pytest -n 2 --dist loadfile` (.ci/run's default suite): each module is one unit of work, as xdist's loadfile
-    makes it, so that its module fixtures are built, and the programs its tests share compiled, in one worker only;
-    and the Ray modules are one unit together. (xdist's `--dist loadgroup` cannot express this under pytest 9: it
-    renames `item._nodeid`, which pytest 9 no longer reads.) Any other `--dist` is xdist's own."""
+    """`pytest -n 2 --dist loadfile` (.ci/run: the whole suite, slow tests included): each module is one unit of
+    work, as xdist's loadfile makes it, so that its module fixtures are built, and the programs its tests share
+    compiled, in one worker only; and the Ray tests are one unit together, handed out first: it is by far the
+    longest, and the in-process modules fill the other worker beside it (a multi-process run alone keeps ~1.35 of
+    the 2 cores busy). (xdist's `--dist loadgroup` cannot express this under pytest 9: it renames `item._nodeid`,
+    which pytest 9 no longer reads.) Any other `--dist` is xdist's own."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "ray" if os.path.basename(module) in RAY_MODULES else module
+            return unit_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if RAY_UNIT in self.workqueue:
+                self.workqueue.move_to_end(RAY_UNIT, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
 
@@ -54,3 +77,12 @@ def model_params():
 
     model = Model(preset("tiny"))
     return model, model.init_params(jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launch_compile_cache(tmp_path_factory):
+    """The JAX compilation cache that the session's single-trainer launch.py runs share (`helpers.launch_env`),
+    emptied with the session's temp folder. (Under xdist, each worker's own: the Ray unit runs in one.)"""
+    from tests.helpers import COMPILE_CACHE_VAR
+
+    os.environ[COMPILE_CACHE_VAR] = str(tmp_path_factory.mktemp("jax-compile-cache"))

@@ -165,18 +165,35 @@ def ray_pids() -> set[int]:
     return {int(line.split(None, 1)[0]) for line in out if any(k in line for k in keys)}
 
 
-def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+# Set by conftest.py for the test session: the folder of the JAX compilation cache that launch.py runs share.
+COMPILE_CACHE_VAR = "ASYNCRL_TEST_COMPILE_CACHE"
+
+
+def launch_env(extra: dict[str, str] | None = None, compile_cache: bool = True) -> dict[str, str]:
     """The environment of a `python launch.py` run started by a test: this process's, less its fake-device settings
     and any Ray address (the run starts its own cluster and hosts), plus `extra`.
 
-    No shared JAX compilation cache: with one, the chaos test's two-trainer run failed twice on 2026-12-07 (its
-    restarts ran out, a gloo all-reduce reset; it passed with the cache off, same code), so runs compile afresh."""
+    With `compile_cache` (runs with one trainer host), the session's JAX compilation cache (`COMPILE_CACHE_VAR`): a
+    trainer start that finds its programs there spends 6.5 CPU-s instead of 17.8-18.8, and a 3-step two-host run
+    40 CPU-s instead of 53-58 (2026-12-07). JAX writes it from jax.distributed process 0 only, the first trainer.
+    Runs with several trainer hosts compile afresh (`compile_cache=False`): there the second trainer loads what the
+    first wrote, and after a restart the two ran mismatched collectives (gloo "Received data size doesn't match
+    expected size. 64 vs 4", trainer 1 aborted; reproduced with two trainers, the KL term and a kill in a weight
+    sync, 2026-12-07). With one trainer no collective spans two processes. In-process tests never use the cache: a
+    hit leaves jit's own cache empty, and some of them count compiled programs."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
+    if compile_cache and os.environ.get(COMPILE_CACHE_VAR):
+        env["JAX_COMPILATION_CACHE_DIR"] = os.environ[COMPILE_CACHE_VAR]
     return env | (extra or {})
 
 
+def one_trainer(overrides) -> bool:
+    """Whether a run's overrides leave it one trainer host (every config in configs/ that tests launch has one)."""
+    return not any(o.startswith("async.train_workers=") and o.split("=", 1)[1] != "1" for o in overrides)
+
+
 def launch(run_dir, *overrides, timeout=600, env_extra=None):
-    env = launch_env(env_extra)
+    env = launch_env(env_extra, compile_cache=one_trainer(overrides))
     cmd = [sys.executable, "launch.py", f"run.run_dir={run_dir}", "logging.ray_metrics=false", *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 

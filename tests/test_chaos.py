@@ -30,7 +30,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, TINY, check_data_positions, kl_jumps, launch_env, rows
+from tests.helpers import ROOT, TINY, check_data_positions, kl_jumps, launch_env, one_trainer, rows
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def test_chaos_three_kills_one_during_a_weight_sync(tmp_path, variant):
     external_ranks = [int(x) for x in rng.integers(0, n_hosts, size=2)]
     schedule = (f"{variant}, seed {seed}: kill in weight sync {sync_step} on rank {sync_rank}; "
                 f"SIGKILL at steps {external} to ranks {external_ranks}")
-    env = launch_env()
+    env = launch_env(compile_cache=one_trainer(VARIANTS[variant]))  # two trainers: no cache (helpers.launch_env)
     env["ASYNCRL_FAULTS"] = f"kill@weight_sync:{sync_rank}:{sync_step}"
     args = [*TINY, f"train.total_steps={STEPS}", *VARIANTS[variant], "async.max_lag=2",
             "checkpoint.every_n_steps=5", "run.max_restarts=4", "eval.every_n_steps=0", "checkpoint.export_hf=true",

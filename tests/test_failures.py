@@ -42,6 +42,9 @@ def _first_failure(refs):
 
 def test_a_peer_that_died_is_named_over_the_error_that_came_first(local_ray, caplog):
     peers = [Peer.remote() for _ in range(3)]
+    # Every actor's process up first: at load 30-40 one worker started more than the 5 s grace after another, and
+    # the death 1 s into its call came too late to be named (seen beside other tests under xdist, 2026-12-07).
+    ray.get([p.run.remote(i, "ok", 0.0) for i, p in enumerate(peers)], timeout=120)
     refs = {peers[0].run.remote(0, "error", 0.0): 0, peers[1].run.remote(1, "die", 1.0): 1,
             peers[2].run.remote(2, "hang", 0.0): 2}
     first = _first_failure(refs)

@@ -72,6 +72,11 @@ def _connect(cfg: DriverConfig, py_modules: list[str]) -> bool:
         extra = {"dashboard_host": LOOPBACK, "dashboard_port": cfg.run.dashboard_port}
         if cfg.run.metrics_export_port is not None:
             extra["_metrics_export_port"] = cfg.run.metrics_export_port
+    # Ray prestarts an idle Python worker per CPU, which no actor of a run uses (the hosts and the queue hub start
+    # their own): 2 idle workers, ~2 of the 53 CPU-s of a 3-step two-host run (2026-12-07). The raylet reads these
+    # from the environment it inherits; a value the user set wins.
+    for var in ("RAY_enable_worker_prestart", "RAY_prestart_worker_first_driver"):
+        os.environ.setdefault(var, "0")
     # address="local": always a new cluster of our own, never one that `ray start` left running on this machine.
     ctx = ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=cfg.run.dashboard,
                    logging_level=logging.WARNING,
@@ -113,6 +118,24 @@ def gpu_host_options(cfg: DriverConfig, env: dict[str, str]) -> dict[str, Any]:
             "runtime_env": {"env_vars": env | {"JAX_PLATFORMS": "cuda"}}}
 
 
+def cpu_host_env(cfg: DriverConfig) -> dict[str, str]:
+    """What a simulated CPU host adds to `host_env()`: the CPU backend with `run.devices_per_host` fake devices.
+
+    With several trainer hosts, a user's persistent JAX compilation cache (JAX_COMPILATION_CACHE_DIR) is switched off
+    for the hosts: the second trainer loads the programs the first one wrote, and after a restart the two ran
+    mismatched gloo collectives (trainer 1 aborted on "Received data size doesn't match expected size. 64 vs 4";
+    reproduced twice with two trainers, the KL term and a kill in a weight sync, 2026-12-07; cause not found). With
+    one trainer no collective spans two processes, and the cache is kept."""
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.run.devices_per_host}",
+           "OMP_NUM_THREADS": "1"}
+    if cfg.async_.train_workers > 1 and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        log.warning("JAX_COMPILATION_CACHE_DIR is ignored by the hosts of a CPU run with async.train_workers=%d > 1 "
+                    "(two CPU trainers restarting from a shared cache ran mismatched collectives)",
+                    cfg.async_.train_workers)
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    return env
+
+
 def _make_actors(cfg: DriverConfig, run_dir: str, queues: dict[str, Any], bind_ip: str | None) -> tuple[list[Any], Any]:
     tpu = _tpu_hosts() if cfg.run.platform in ("auto", "tpu") else []
     env = host_env()
@@ -136,8 +159,7 @@ def _make_actors(cfg: DriverConfig, run_dir: str, queues: dict[str, Any], bind_i
         actors = [Actor.options(**gpu_host_options(cfg, env)).remote(i, n, cfg.host, run_dir, queues, bind_ip)
                   for i in range(n)]
         return actors, None
-    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.run.devices_per_host}",
-            "OMP_NUM_THREADS": "1"}
+    env |= cpu_host_env(cfg)
     # Simulated hosts take no CPU reservation: a 2-core laptop must fit every one of them.
     Actor = ray.remote(HostActor)
     actors = [Actor.options(num_cpus=0, max_restarts=0, max_concurrency=2, runtime_env={"env_vars": env}
