@@ -7,7 +7,8 @@ compiled program's own memory analysis is reported too. Configs: the `tiny` pres
 architecture with random weights. Throughputs are only comparable within one run (machines and load vary).
 
     python benchmarks/train_step.py [--configs tiny smollm2-135m] [--batch 4] [--prompt-len 32]
-                                    [--completion-len 96] [--repeats 3]
+                                    [--completion-len 96] [--repeats 3] [--remat 0|1] [--grad-accum N]
+    python benchmarks/train_step.py --no-torch ...   # ours alone, e.g. remat against micro-batching (no file)
 
 Writes benchmarks/results/train_step.json.
 """
@@ -76,7 +77,8 @@ def run_jax(args) -> dict:
 
     cfg = preset(args.config)
     loss_cfg = LossConfig(name="grpo")
-    train_cfg = TrainConfig(train_batch_size=args.batch, lr=1e-5, logprob_chunk_size=args.chunk_size)
+    train_cfg = TrainConfig(train_batch_size=args.batch, lr=1e-5, logprob_chunk_size=args.chunk_size,
+                            remat=bool(args.remat), grad_accum_steps=args.grad_accum)
     trainer = Trainer(Model(cfg), train_cfg, loss_cfg, ShardingConfig(mesh=MeshConfig(dp=1, fsdp=-1)),
                       devices=jax.devices()[:1])
     trainer.init(jax.random.key(0))
@@ -146,7 +148,8 @@ def run_torch(args) -> dict:
 def child(framework: str, config: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", framework, "--configs", config, "--batch", str(args.batch),
            "--group", str(args.group), "--prompt-len", str(args.prompt_len), "--completion-len",
-           str(args.completion_len), "--repeats", str(args.repeats), "--chunk-size", str(args.chunk_size)]
+           str(args.completion_len), "--repeats", str(args.repeats), "--chunk-size", str(args.chunk_size),
+           "--remat", str(args.remat), "--grad-accum", str(args.grad_accum)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"{framework} benchmark of {config} failed:\n{res.stderr[-4000:]}")
@@ -162,6 +165,9 @@ def main() -> None:
     parser.add_argument("--completion-len", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-size", type=int, default=1024, help="train.logprob_chunk_size")
+    parser.add_argument("--remat", type=int, choices=[0, 1], default=0, help="train.remat of ours")
+    parser.add_argument("--grad-accum", type=int, default=1, help="train.grad_accum_steps of ours")
+    parser.add_argument("--no-torch", action="store_true", help="time ours alone (no ratio: a probe, not a result)")
     parser.add_argument("--child", choices=["jax", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -172,6 +178,14 @@ def main() -> None:
         return
 
     tokens = args.batch * (args.prompt_len + args.completion_len)
+    if args.no_torch:
+        for config in args.configs:
+            ours = child("jax", config, args)
+            print(json.dumps({"config": config, "remat": args.remat, "grad_accum": args.grad_accum,
+                              "step_s": ours["step_s"], "tok_s": tokens / ours["step_s"],
+                              "compiled_peak_MiB": ours["compiled_peak_bytes"] / MiB,
+                              "peak_rss_MiB": ours["peak_rss_bytes"] / MiB}))
+        return
     rows = []
     for config in args.configs:
         ours, torch_ = child("jax", config, args), child("torch", config, args)
@@ -196,7 +210,7 @@ def main() -> None:
               f"{r['torch']['peak_rss_bytes'] / MiB:>10.0f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     setup = {k: getattr(args, k) for k in ("configs", "batch", "group", "prompt_len", "completion_len", "repeats",
-                                           "chunk_size")}
+                                           "chunk_size", "remat", "grad_accum")}
     RESULTS.write_text(json.dumps({"setup": setup, "results": rows}, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 
