@@ -85,6 +85,10 @@ def asyncrl_overrides(s: dict[str, Any], run_dir: str, max_lag: int) -> list[str
            f"inference.group_size={s['group_size']}", f"inference.max_new_tokens={s['max_new_tokens']}",
            f"inference.temperature={s['temperature']}", f"train.lr={s['lr']}",
            "loss.std_eps=1.0e-4",  # TRL hard-codes (r - mean) / (std + 1e-4)
+           # TRL's micro-batches, and no recompute in either (TRL's gradient_checkpointing is set off, `mapping`):
+           # the preset's remat over one 64-row micro-batch took 61.7 s a step, 8-row micro-batches without it
+           # 54.1 s (benchmarks/train_step.py --no-torch, SmolLM2-135M, 64 x 112 tokens, 2026-12-07, quiet).
+           "train.remat=false", f"train.grad_accum_steps={s['prompts_per_step'] * s['group_size'] // s['micro_batch']}",
            f"eval.every_n_steps={s['eval_every']}", f"eval.num_prompts={s['eval_prompts']}",
            f"eval.group_size={s['eval_samples']}", f"run.seed={s['seed']}"]
     if s["eval_prompts"] > 64:  # the preset holds out 64; more prompts need a larger held-out split
@@ -106,7 +110,9 @@ def mapping(s: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
         ("group size", f"inference.group_size={G}", f"num_generations={G}", ""),
         ("micro-batch", f"train.grad_accum_steps={cfg.train.grad_accum_steps} (remat={cfg.train.remat})",
          f"per_device_train_batch_size={mb} x gradient_accumulation_steps={P * G // mb}",
-         "memory only: the loss is normalised over the whole batch in both"),
+         "the same micro-batches; the loss is normalised over the whole batch in both"),
+        ("recompute", "train.remat=false", "gradient_checkpointing=False",
+         "TRL's GRPOConfig default is True; off in both, as 8-row micro-batches fit in memory without it"),
         ("updates per batch", f"train.updates_per_step={cfg.train.updates_per_step}",
          "num_iterations=1, steps_per_generation=grad accum", "one optimizer step per generated batch"),
         ("lr", f"train.lr={s['lr']}, min_lr_ratio=1, warmup 0", f"learning_rate={s['lr']}, "
@@ -269,7 +275,7 @@ def run_trl(s: dict[str, Any], cfg: Any, task: Any, train: list, folder: str, ou
         save_only_model=True, disable_tqdm=True, dataloader_num_workers=0,
         learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.train.weight_decay,
         adam_beta1=cfg.train.b1, adam_beta2=cfg.train.b2, adam_epsilon=1e-8, optim="adamw_torch",
-        max_grad_norm=cfg.train.max_grad_norm,
+        max_grad_norm=cfg.train.max_grad_norm, gradient_checkpointing=False,
         per_device_train_batch_size=mb, gradient_accumulation_steps=P * G // mb, num_generations=G,
         max_completion_length=M, temperature=s["temperature"], top_p=1.0, top_k=0,
         beta=0.0, loss_type="grpo", scale_rewards="group", epsilon=cfg.loss.epsilon_low,
