@@ -152,7 +152,7 @@ def build_programs(cfg: ProgramsConfig, devices: Sequence[Any], only: Sequence[s
         "step", train_flops / t_chips, train_bytes))
 
     # The hop chain's first slot is the trainer chips: the sync casts the weights (LoRA: the adapters) into the
-    # chain's layout, split over them (`weightsync/layout.py`). Ideal: the chip's master shard read, its 1/n of the
+    # chain's layout, split over them (`sharding/chain.py`). Ideal: the chip's master shard read, its 1/n of the
     # cast written.
     cast_bytes = shard_bytes(state["params"]) + sync_bytes / t_chips
     programs.append(Program(

@@ -108,7 +108,7 @@ class Trainer:
             self.tx = make_optimizer(train_cfg, model.cfg)
         self.shardings = make_shardings(self.mesh, trained_shardings, self.params_abstract, self.tx, sharding_cfg)
         # A sync's payload is cast straight into the hop chain's layout, split over every trainer chip, never whole
-        # on one (`weightsync/layout.py`). One object per tree: `_cast_fn` keys its programs on it.
+        # on one (`sharding/chain.py`). One object per tree: `_cast_fn` keys its programs on it.
         self._sync_shardings = {"params": chain_shardings(self.mesh, params_lib.shapes(model.cfg, MASTER_DTYPE))}
         if self.lora is not None:
             synced = lambda full: lora_lib.synced(self.params_abstract, full, self.lora.freeze_a)  # noqa: E731
@@ -251,7 +251,7 @@ class Trainer:
             return self._cast_fn(dtype)(self.params)
 
     def sync_payload(self, dtype: Any, full: bool) -> Any:
-        """What a weight sync moves, in the hop chain's layout (`weightsync/layout.py`): the params cast to `dtype`;
+        """What a weight sync moves, in the hop chain's layout (`sharding/chain.py`): the params cast to `dtype`;
         with LoRA, the adapters ({"adapters": ..}; B alone after the first with `lora.freeze_a`), plus the base
         when `full` (a receiver's first sync), both cast to `dtype`. Receivers merge (`lora.merge`, in fp32):
         the merged weight is rounded to `dtype` anyway, and adapters in `dtype` perturb it far less than that
