@@ -27,6 +27,9 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import describe, machine  # noqa: E402
 
 # name -> overrides. 'adaptive' may reach max_lag 4, starting on-policy (staleness.Admission).
 SETTINGS = {
@@ -88,17 +91,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench-staleness"))
     ap.add_argument("--out", default=str(HERE / "results" / "staleness.json"))
     args, extra = ap.parse_known_args(argv)
-    runs: dict[str, list[dict]] = {}
-    for setting in args.settings:
-        for seed in args.seeds:
+    info = machine()
+    print(f"machine: {describe(info)}", flush=True)
+    runs: dict[str, list[dict]] = {setting: [] for setting in args.settings}
+    for seed in args.seeds:  # seed by seed: a drift of the machine's speed over the hour reaches every setting alike
+        for setting in args.settings:
             run_dir = os.path.join(args.runs_dir, f"{args.config_name}-{setting}-s{seed}")
             if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
                 sys.exit(f"{run_dir} already has a run; pass another --runs-dir")
             wall = run_one(args.config_name, setting, seed, args.steps, args.lr, run_dir, extra)
-            runs.setdefault(setting, []).append({"seed": seed, "run_dir": run_dir, "wall_s": wall,
-                                                 **summarize(read_rows(run_dir), args.eval_key)})
-    result = {"config": args.config_name, "steps": args.steps, "lr": args.lr, "overrides": extra, "runs": runs,
-              "mean": {}}
+            runs[setting].append({"seed": seed, "run_dir": run_dir, "wall_s": wall, "load_1m_after": os.getloadavg()[0],
+                                  **summarize(read_rows(run_dir), args.eval_key)})
+    result = {"machine": info, "config": args.config_name, "steps": args.steps, "lr": args.lr, "overrides": extra,
+              "runs": runs, "mean": {}}
     print(f"\n{args.config_name}, {args.steps} steps, lr {args.lr}, seeds {args.seeds}")
     print(f"{'setting':<10}{'eval':>8}{'step s':>9}{'dropped lag':>13}{'dropped ess':>13}{'admitted lag':>14}"
           f"{'ESS':>7}")

@@ -162,8 +162,6 @@ def test_an_agent_source_is_checked_before_anything_starts(tmp_path, monkeypatch
     source = "task.sources=[{environment: agent, options: {task: digits}}]"
     with pytest.raises(ConfigError, match=r"agent.fn='' is invalid: must be an import path"):
         load_config("default", [source])
-    with pytest.raises(ConfigError, match=r"agent.branches='keep' is invalid: must be 'drop' in a run"):
-        load_config("default", [source, "agent.fn=m:run", "agent.branches=keep"])
     with pytest.raises(ConfigError, match=r"train.moe.router_replay=True is invalid: must be false with an agent"):
         load_config("default", [source, "agent.fn=m:run", "train.moe.router_replay=true"])
     cfg = load_config("default", [source, "agent.fn=no_such_agent.mod:run"])

@@ -101,7 +101,7 @@ def test_measured_staleness_is_logged_by_lag_and_drives_adaptive_admission():
     sums = np.array([[2.0, 2.0, 2.0, 0.0], [4.0, 10.0, 2.0, 2.0 - np.log(3.0)], [0, 0, 0, 0], [0, 0, 0, 0]])
     tw.trainer = SimpleNamespace(group_weights=sums, group_offset=lambda rows: 0, combine_host_metrics=lambda m: m)
     rollouts = [group(0, 5, [0, 1]), group(1, 4, [1, 0])]  # trained on version 5: lags 0 and 1
-    row = tw._measure_staleness(6, 5, rollouts)
+    row = tw._measure_staleness(6, 5, rollouts, 4)
     assert row["staleness/ess_lag0"] == 1.0 and row["staleness/ess_lag1"] == 0.8
     assert row["staleness/groups_lag1"] == 1.0 and row["staleness/groups_lag2"] == 0.0
     assert row["staleness/ess_mean"] == 0.9 and row["staleness/ess_min"] == 0.8
@@ -109,4 +109,4 @@ def test_measured_staleness_is_logged_by_lag_and_drives_adaptive_admission():
     assert abs(row["staleness/batch_ess"] - 36 / (4 * 12)) < 1e-12
     assert row["admission/ahead"] == 0.0  # the stalest (lag 1) measured 0.8 < 0.9: stays on-policy
     sums[1] = [4.0, 8.0, 2.0, 0.0]  # lag 1 now ESS 1
-    assert tw._measure_staleness(7, 5, rollouts)["admission/ahead"] == 1.0
+    assert tw._measure_staleness(7, 5, rollouts, 4)["admission/ahead"] == 1.0

@@ -48,29 +48,27 @@ class Config:
             # overlong buffer) reads it from its own section, filled here so that the resolved config shows it.
             object.__setattr__(self, "loss", dataclasses.replace(self.loss,
                                                                  max_tokens=self.inference.generation_budget))
-        g = self.inference.group_size
-        check("train.train_batch_size", self.train.train_batch_size, self.train.train_batch_size % g == 0,
-              f"a multiple of inference.group_size={g}")
+        g, rows = self.inference.group_size, self.group_rows
+        check("train.train_batch_size", self.train.train_batch_size, self.train.train_batch_size % rows == 0,
+              f"a multiple of inference.group_size={g}" if rows == g else
+              f"a multiple of inference.group_size + agent.branch_rows = {rows} (the rows of a group with "
+              "agent.branches=keep)")
         tw = self.async_.train_workers
         hosts = self.run.hosts
         check("async.train_workers", tw, 0 < tw < hosts and hosts % tw == 0,
               f"in (0, run.hosts={hosts}) and divide run.hosts (the weight-sync hop chain needs equal slots)")
-        prompts = self.train.train_batch_size // g
+        prompts = self.prompts_per_step
         check("train.train_batch_size", self.train.train_batch_size, prompts % tw == 0,
               f"such that prompts per step ({prompts}) divide over async.train_workers={tw}")
 
-        agents = [i for i, s in enumerate(self.task.sources) if s.environment == "agent"]
+        agents = self._agent_sources()
         if agents:
             check("agent.fn", self.agent.fn, bool(self.agent.fn),
                   f"an import path 'package.module:function' (task.sources[{agents[0]}] is environment: agent)")
             check("endpoint.max_sessions", self.endpoint.max_sessions,
                   self.endpoint.max_sessions >= self.agent.workers,
                   f">= agent.workers={self.agent.workers} (each running agent's session holds one)")
-            # Both refused until the trainer takes them: a kept branch makes its group larger than group_size (the
-            # step's batch has a fixed shape), and endpoint calls carry no recorded routes.
-            check("agent.branches", self.agent.branches, self.agent.branches == "drop",
-                  "'drop' in a run with an agent source ('keep' gives a group more than inference.group_size "
-                  "completions, which the trainer's fixed-size batch cannot take yet)")
+            # Refused until the trainer takes it: endpoint calls carry no recorded routes.
             check("train.moe.router_replay", self.train.moe.router_replay, not self.train.moe.router_replay,
                   "false with an agent source (endpoint calls do not record routes yet)")
 
@@ -79,9 +77,22 @@ class Config:
             check("train.pad_to_multiple", self.train.pad_to_multiple, self.train.pad_to_multiple % cp == 0,
                   f"a multiple of sharding.mesh.cp_ulysses={cp} (Ulysses splits every padded sequence into cp parts)")
 
+    def _agent_sources(self) -> list[int]:
+        return [i for i, s in enumerate(self.task.sources) if s.environment == "agent"]
+
+    @property
+    def keeps_branches(self) -> bool:
+        """A run whose agents' branches are trained (`agent.branches: keep`): its groups vary in size."""
+        return self.agent.branches == "keep" and bool(self._agent_sources())
+
+    @property
+    def group_rows(self) -> int:
+        """Rows of the step's batch one group takes: its samples, plus `agent.branch_rows` when branches are kept."""
+        return self.inference.group_size + (self.agent.branch_rows if self.keeps_branches else 0)
+
     @property
     def prompts_per_step(self) -> int:
-        return self.train.train_batch_size // self.inference.group_size
+        return self.train.train_batch_size // self.group_rows
 
     # ---- the config split on the way down: each role, command and program builder gets the sections it reads ----
 
@@ -91,7 +102,8 @@ class Config:
             checkpoint=self.checkpoint, eval=self.eval, logging=self.logging, task=self.task, tools=self.tools,
             weightsync=self.weightsync, seed=self.run.seed, run_name=self.run.name,
             prompts_per_step=self.prompts_per_step, group_size=self.inference.group_size,
-            temperature=self.inference.temperature, params_dtype=self.inference.params_dtype)
+            temperature=self.inference.temperature, params_dtype=self.inference.params_dtype,
+            group_rows=self.group_rows if self.keeps_branches else None)
 
     def inference_role(self) -> InferenceRoleConfig:
         return InferenceRoleConfig(

@@ -158,22 +158,42 @@ class AgentRunner:
             return [(np.zeros(0, np.int32), _empty("agent_timeout", f"the session's episode did not end: {e!r}"))]
         if not rollouts:
             return [(np.zeros(0, np.int32), _empty("agent_no_call" if reason == "done" else reason, error))]
-        done = [(r.prompt_tokens, r.completions[0]) for r in rollouts]
-        for _, c in done:
-            c.end_reason = reason
-            if error:
-                c.env_info.append({"error": error})
-        if self.cfg.branches == "drop" and len(done) > 1:
-            done[-1][1].env_info.append({"dropped_branches": len(done) - 1})
-            done = done[-1:]
+        done = [(r.prompt_tokens, r.completions[0]) for r in rollouts]  # its branches, oldest first
+        for _, c in done[:-1]:  # the agent moved on from these: open until now, or ended when the render diverged
+            if c.end_reason in ("done", reason):
+                c.end_reason = "branched"
+        last = done[-1][1]  # the branch the agent ended on
+        last.end_reason = reason
+        if error:
+            last.env_info.append({"error": error})
         return done
 
     def run_group(self, prompt: Prompt) -> Rollout:
-        """The group of `prompt.n` episodes, each its own session (their agents run side by side)."""
+        """The group of `prompt.n` episodes, each its own session (their agents run side by side), with their
+        branches as `agent.branches` says (eval groups score episodes: their last branches only)."""
         with ThreadPoolExecutor(prompt.n) as ex:  # waits on the agents, which run on threads of their own
-            groups = list(ex.map(lambda _: self._episode(prompt), range(prompt.n)))
-        head, done = fold([c for g in groups for c in g])
+            episodes = list(ex.map(lambda _: self._episode(prompt), range(prompt.n)))
+        keep = self.cfg.branches == "keep" and not prompt.is_eval
+        head, done = fold(choose_branches(episodes, self.cfg.branch_rows if keep else 0))
         return Rollout(prompt, head, done, worker=self.server.engine.name)
+
+
+Trajectory = tuple[np.ndarray, Completion]  # one branch of an episode: its prompt ids and its completion
+
+
+def choose_branches(episodes: list[list[Trajectory]], extra: int) -> list[Trajectory]:
+    """The trajectories a group trains: every episode's last branch, and up to `extra` earlier ones (0: 'drop').
+    Past `extra`, the earliest branches of the episode holding the most go first (no episode's branches crowd out
+    the others'); each episode's last branch counts what it lost in its `env_info` ("dropped_branches")."""
+    kept = [list(e) for e in episodes]
+    while sum(len(e) for e in kept) - len(kept) > extra:
+        max(kept, key=len).pop(0)  # the last branch always stays: len(e) > 1 for the longest while over `extra`
+    out = []
+    for e, k in zip(episodes, kept):
+        if len(e) > len(k):
+            k[-1][1].env_info.append({"dropped_branches": len(e) - len(k)})
+        out.extend(k)
+    return out
 
 
 def fold(episodes: list[tuple[np.ndarray, Completion]]) -> tuple[np.ndarray, list[Completion]]:

@@ -64,10 +64,20 @@ class AgentConfig:
     """Agents run at once per host (a thread each). One past `timeout_s` gives its place back; its thread, which
     cannot be killed, runs on until it returns (its session's later calls are refused)."""
     branches: str = "drop"
-    """What the trainer gets of a session whose agent edited its history: 'drop' trains the last branch only (the
-    earlier ones stay in its `env_info`), 'keep' trains every branch as its own trajectory in the group."""
+    """What the trainer gets of a session whose agent edited its history (each edit starts a branch): 'drop' trains
+    the last branch only (the count of the others goes in its `env_info`); 'keep' trains every branch as its own
+    trajectory in the group, each with the episode's reward, up to `branch_rows` more rows than the group's
+    episodes."""
+    branch_rows: int = 4
+    """With branches 'keep': the rows each group holds beyond `inference.group_size` for earlier branches. The
+    step's batch keeps its fixed shape (`train.train_batch_size` rows), so a group takes group_size + branch_rows
+    of them and a step trains train_batch_size / (group_size + branch_rows) prompts; a group with fewer branches
+    fills its rows with masked copies (no loss, no statistics), and one with more drops its earliest branches
+    (counted in the last branch's `env_info` and `rollout/branches_dropped`)."""
 
     def __post_init__(self) -> None:
         check("agent.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
         check("agent.workers", self.workers, self.workers >= 1, ">= 1")
         check_choice("agent.branches", self.branches, ("drop", "keep"))
+        check("agent.branch_rows", self.branch_rows, self.branch_rows >= (1 if self.branches == "keep" else 0),
+              ">= 1 with agent.branches=keep" if self.branches == "keep" else ">= 0")

@@ -48,10 +48,11 @@ def is_zero_variance(rollout: Rollout) -> bool:
     return bool(r.max() == r.min())
 
 
-def episode_metrics(completions: list[Any], tools: bool = False) -> HostMetrics:
+def episode_metrics(completions: list[Any], tools: bool = False, agents: bool = False) -> HostMetrics:
     """Per step, what the episodes looked like: model turns per episode, the share of episodes that took more than
     one, the share of completion tokens the environment appended (observations), episodes ended by each limit,
-    and the seconds spent in environment steps per episode; with `tools`, the tool metrics too."""
+    and the seconds spent in environment steps per episode; with `tools`, the tool metrics too; with `agents`
+    (agent sources), the earlier branches trained (ended 'branched', `agent.branches: keep`) and dropped."""
     tokens = sum(len(c.tokens) for c in completions)
     out = {
         "rollout/turns_mean": float(np.mean([c.n_turns for c in completions])),
@@ -63,6 +64,10 @@ def episode_metrics(completions: list[Any], tools: bool = False) -> HostMetrics:
     }
     for reason in ("max_turns", "context", "obs_cap", "env_error"):
         out[f"rollout/ended_{reason}"] = float(sum(c.end_reason == reason for c in completions))
+    if agents:
+        out["rollout/branches_kept"] = float(sum(c.end_reason == "branched" for c in completions))
+        out["rollout/branches_dropped"] = float(sum(i.get("dropped_branches", 0) for c in completions
+                                                    for i in c.env_info))
     return {**out, **tool_metrics(completions)} if tools else out
 
 
@@ -108,6 +113,7 @@ def collect_rollouts(
     zero_variance_budget: int | None = None,
     straggler: StragglerWait | float = float("inf"),
     tools: bool = False,
+    agents: bool = False,
 ) -> tuple[list[Rollout], HostMetrics]:
     """Block until `n_groups` groups pass the filters; returns them (oldest first when pooling) and the metrics.
 
@@ -121,7 +127,8 @@ def collect_rollouts(
     this step saw) once `n_groups` are held. After `zero_variance_budget` zero-variance drops in one call,
     zero-variance groups are kept as fillers (`rollout/zero_variance_fillers`): the loss gives them no weight when
     it filters them (`loss.filter_zero_variance`), so the step trains on the groups with variance it has instead of
-    sampling without end once most prompts are solved."""
+    sampling without end once most prompts are solved. `tools` and `agents`: the episode metrics of tool and agent
+    sources (`episode_metrics`)."""
     filtered = {"lag": 0, "ess": 0, "zero_variance": 0, "failed": 0}
     held: list[Rollout] = []
 
@@ -224,6 +231,6 @@ def collect_rollouts(
         "rollout/straggler_wait_s": float(wait_s) if wait_s != float("inf") else -1.0,
         "rollout/straggler_gave_up": float(gave_up[0]),
         "rollout/zero_variance_fillers": float(sum(drop_zero_variance and is_zero_variance(r) for r in kept)),
-        **episode_metrics([c for r in kept for c in r.completions], tools),
+        **episode_metrics([c for r in kept for c in r.completions], tools, agents),
     }
     return kept, metrics

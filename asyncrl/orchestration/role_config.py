@@ -48,13 +48,16 @@ class TrainerRoleConfig:
     run_name: str
     """`run.name`: the Ray metrics' label."""
     prompts_per_step: int
-    """`train.train_batch_size // inference.group_size`."""
+    """`train.train_batch_size // inference.group_size` (// group_rows when agent branches are kept)."""
     group_size: int
     """`inference.group_size`: samples per prompt, for the feeder."""
     temperature: float
     """`inference.temperature`: the sampler's, which the loss divides the trainer's logits by."""
     params_dtype: str
     """`inference.params_dtype`: the dtype weights are cast to before they are synced."""
+    group_rows: int | None = None
+    """With `agent.branches: keep`, the rows each group takes in the step's batch (`inference.group_size +
+    agent.branch_rows`: its kept branches, then masked filler rows); None: a group is exactly its samples."""
 
 
 @dataclass(frozen=True)

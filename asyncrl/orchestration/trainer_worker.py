@@ -54,6 +54,7 @@ class TrainerWorker:
         self.straggler = StragglerWait(a.straggler_wait_s, a.straggler_wait_max_s, a.straggler_wait_adaptive)
         # Tool metrics have a fixed key set on every host of a run whose tasks use tools (combined by position).
         self.tool_metrics = any(src.tools for src in cfg.task.sources)
+        self.agent_metrics = any(src.environment == "agent" for src in cfg.task.sources)
         self.stop = threading.Event()
         self.feeder: Feeder | None = None
         self.evals: Evals | None = None
@@ -184,20 +185,21 @@ class TrainerWorker:
                     cfg.loss.filter_zero_variance, cfg.async_.queue_timeout_s, who=f"trainer{self.rank}",
                     on_consumed=self._on_consumed(step, drops), check=self._check, pool=pool, urgent=urgent,
                     zero_variance_budget=int(np.ceil(cfg.async_.zero_variance_budget * (self.P // self.tw))),
-                    straggler=self.straggler, tools=self.tool_metrics,
+                    straggler=self.straggler, tools=self.tool_metrics, agents=self.agent_metrics,
                 )
                 # By data position: the same batch order whatever arrived first.
                 rollouts.sort(key=lambda r: r.prompt.position)
-                batch = build_batch(rollouts, cfg.loss, cfg.train.pad_to_multiple)
+                batch = build_batch(rollouts, cfg.loss, cfg.train.pad_to_multiple, group_rows=cfg.group_rows)
                 every = cfg.logging.rollouts_every_n_steps
                 if every and step % every == 0:
                     log_rollouts(rollouts_path(self.run_dir, self.rank), step, tr.version, rollouts, drops,
                                  tokens=cfg.logging.rollout_tokens)
                 version = tr.version
                 metrics = tr.step(batch, host_m)
-                metrics |= self._measure_staleness(step, version, rollouts)
+                metrics |= self._measure_staleness(step, version, rollouts, int(batch.tokens.shape[0]))
                 sync_m = self.sync_weights()
-                n_tokens = float(np.asarray(batch.seq_lens).sum()) * self.tw
+                real = np.asarray(batch.group_ids) >= 0  # filler rows (kept agent branches) are not trained tokens
+                n_tokens = float(np.asarray(batch.seq_lens)[real].sum()) * self.tw
                 step_s = max(metrics.get("train/step_time_s", 1e-9), 1e-9)
                 row: dict[str, Any] = {"step": step, **metrics, **sync_m, "weight_version": tr.version,
                                        "train/tokens_per_s": n_tokens / step_s,
@@ -250,11 +252,11 @@ class TrainerWorker:
         admission = {} if self.staleness.admission is None else {"admission": self.staleness.admission.state()}
         return {**self.feeder.state(), **admission}
 
-    def _measure_staleness(self, step: int, version: int, rollouts: list) -> dict[str, float]:
+    def _measure_staleness(self, step: int, version: int, rollouts: list, local_rows: int) -> dict[str, float]:
         """The trained groups' ESS and k3 from the step's proximal pass, by lag (`train/ess.py`), combined over the
         trainer hosts (a collective: every host calls it); adaptive admission follows them (`staleness.py`)."""
         tr, max_lag = self.trainer, self.cfg.async_.max_lag
-        offset = tr.group_offset(sum(len(r.completions) for r in rollouts))
+        offset = tr.group_offset(local_rows)
         ess, k3 = group_staleness(tr.group_weights[offset:offset + len(rollouts)])
         sums = lag_sums(ess, k3, [self.staleness.lag(version, r) for r in rollouts], max_lag)
         row, by_lag = lag_means(tr.combine_host_metrics(sums), max_lag)

@@ -48,13 +48,15 @@ def compute_advantages(rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig
 
 
 def keep_sequences(rewards: jax.Array, group_ids: jax.Array, cfg: LossConfig) -> jax.Array:
-    """[B] bool: False for sequences of equal-reward groups when `cfg.filter_zero_variance`, else all True."""
+    """[B] bool: False for filler rows (group id < 0: `batch.build_batch` with group_rows) and, when
+    `cfg.filter_zero_variance`, for sequences of equal-reward groups; else True."""
+    real = group_ids >= 0
     if not cfg.filter_zero_variance:
-        return jnp.ones(rewards.shape, bool)
+        return real
     same = same_group(group_ids)
     hi = jnp.max(jnp.where(same, rewards[None, :], -jnp.inf), axis=1)
     lo = jnp.min(jnp.where(same, rewards[None, :], jnp.inf), axis=1)
-    return hi > lo
+    return (hi > lo) & real
 
 
 def loss_weights(mask: jax.Array, cfg: LossConfig, keep: jax.Array | None = None) -> jax.Array:

@@ -68,18 +68,37 @@ _FIELDS = {
 }
 
 
+# Group ids of filler rows are FILLER - row (each its own group, below every real group's id >= 0).
+FILLER = -1
+
+
+def offset_group_ids(group_ids: np.ndarray, offset: int) -> np.ndarray:
+    """A host's group ids made unique across hosts: real ids (>= 0) move up by `offset`, filler ids (< 0) down."""
+    ids = np.asarray(group_ids)
+    return np.where(ids >= 0, ids + offset, ids - offset).astype(ids.dtype)
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 def build_batch(rollouts: Sequence[Rollout], loss_cfg: LossConfig, pad_to_multiple: int = 16,
-                seq_len: int | None = None) -> RLBatch:
+                seq_len: int | None = None, group_rows: int | None = None) -> RLBatch:
     """Pack groups into a host-local RLBatch. `seq_len` fixes T (else the longest row, rounded up).
+
+    `group_rows` (agent branches kept, whose groups vary in size): every group takes exactly that many rows, its
+    completions then filler rows, so that the batch keeps the step's fixed shape. A filler row copies the group's
+    last row (finite logits, nothing to mask out of attention) with an empty loss mask and a group id of its own
+    below 0 (`FILLER`): group statistics, normalisers and the ESS leave it out (`advantages.keep_sequences`).
 
     Advantages and loss weights are not computed here: the train step computes them once, over the global batch
     (group statistics and token normalisers must count every host's rows; `step.with_loss_inputs`)."""
     if not rollouts:
         raise ValueError("build_batch needs at least one rollout")
+    if group_rows is not None:
+        over = [(r.prompt.id, len(r.completions)) for r in rollouts if len(r.completions) > group_rows]
+        if over:
+            raise ValueError(f"groups {over} have more completions than group_rows={group_rows}")
     rows = [(r, c) for r in rollouts for c in r.completions]
     for r in rollouts:
         if len(r.prompt_tokens) < 1:
@@ -89,7 +108,7 @@ def build_batch(rollouts: Sequence[Rollout], loss_cfg: LossConfig, pad_to_multip
     T = round_up(longest, pad_to_multiple) if seq_len is None else seq_len
     if longest > T:
         raise ValueError(f"a sequence of {longest} tokens does not fit seq_len={T}")
-    B = len(rows)
+    B = len(rows) if group_rows is None else group_rows * len(rollouts)
     tokens = np.zeros((B, T), np.int32)
     sampler_lp = np.zeros((B, T), np.float32)
     mask = np.zeros((B, T), bool)
@@ -114,6 +133,12 @@ def build_batch(rollouts: Sequence[Rollout], loss_cfg: LossConfig, pad_to_multip
             lengths[b], truncated[b] = n, c.finish_reason == "length"
             if expert_ids is not None:
                 expert_ids[b, p:p + n] = c.routes
+            b += 1
+        for _ in range(0 if group_rows is None else group_rows - len(r.completions)):
+            tokens[b], seq_lens[b], sampler_lp[b] = tokens[b - 1], seq_lens[b - 1], sampler_lp[b - 1]
+            lengths[b], truncated[b], group_ids[b] = lengths[b - 1], truncated[b - 1], FILLER - b
+            if expert_ids is not None:
+                expert_ids[b] = expert_ids[b - 1]
             b += 1
     penalty = shaping_for(lengths, truncated, loss_cfg)
     rewards = rewards + penalty

@@ -21,7 +21,7 @@ from asyncrl.models import lora as lora_lib, moe as moe_lib, params as params_li
 from asyncrl.models.params import Params
 from asyncrl.models.transformer import Model
 from asyncrl.sharding.chain import chain_shardings
-from asyncrl.train.batch import HostMetrics, RLBatch, combine_host_metrics, pad_batch
+from asyncrl.train.batch import HostMetrics, RLBatch, combine_host_metrics, offset_group_ids, pad_batch
 from asyncrl.train.config import ShardingConfig, TrainConfig
 from asyncrl.train.loss_config import LossConfig
 from asyncrl.train.mesh import (
@@ -371,7 +371,7 @@ class Trainer:
             return batch
         B = batch.tokens.shape[0]
         offset = self.hosts.index(jax.process_index()) * B
-        batch = dataclasses.replace(batch, group_ids=np.asarray(batch.group_ids) + offset)
+        batch = dataclasses.replace(batch, group_ids=offset_group_ids(batch.group_ids, offset))
         lengths = host_allgather(np.asarray([batch.tokens.shape[1]]), self.mesh)
         return pad_batch(batch, int(lengths.max()))
 
