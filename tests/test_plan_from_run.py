@@ -134,3 +134,33 @@ def test_a_source_written_the_old_way_is_refused_with_the_new_key():
 
     with pytest.raises(ConfigError, match=r"task\.sources\[0\]\.name.*`environment:`"):
         load_config("default", ["task.sources=[{name: digits}]"])
+
+
+def test_the_admission_sweep_sets_the_run_s_measured_ess_beside_each_lag(tmp_path, capsys):
+    """`plan --from-run --sweep-admission`: the model's step time per max_lag, the ESS the
+    run measured at each lag it trained (group-weighted over steps), none where it never trained, and the lag
+    adaptive admission would settle at on those figures."""
+    from asyncrl.cli.plan import main
+    from asyncrl.plan.admission import adaptive_reach, measured_ess_by_lag
+
+    run, _ = _synthetic_run(tmp_path)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:  # lag 0 ESS 1; lag 1: 3 groups at 0.95 on even steps, 1 group at 0.85 on odd ones
+        even = r["step"] % 2 == 0
+        r |= {"staleness/groups_lag0": 5.0, "staleness/ess_lag0": 1.0, "staleness/groups_lag1": 3.0 if even else 1.0,
+              "staleness/ess_lag1": 0.95 if even else 0.85, "staleness/groups_lag2": 0.0}
+    _write(run / "metrics.jsonl", rows)
+    ess = measured_ess_by_lag(str(run))
+    assert set(ess) == {0, 1} and ess[0] == (1.0, 100.0)
+    np.testing.assert_allclose(ess[1], ((30 * 0.95 + 10 * 0.85) / 40, 40.0))
+    assert adaptive_reach(ess, 0.9, 4) == 1 and adaptive_reach(ess, 0.93, 4) == 0
+    assert adaptive_reach({0: (1.0, 5.0)}, 0.9, 4) is None  # an on-policy run says nothing about lags
+    out = tmp_path / "plan.json"
+    assert main(["--from-run", str(run), "--sweep-admission", "--lags", "0", "1", "2", "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())["admission"]
+    assert [r["max_lag"] for r in sweep["rows"]] == [0, 1, 2] and sweep["adaptive_reach"] == 1
+    assert [r["ess_measured"] for r in sweep["rows"]][::2] == [1.0, None]
+    steps = [r["step_s"] for r in sweep["rows"]]
+    # Overlap shortens the step; past lag 1 this run gains nothing (the sampled lengths and drops move it ~1%).
+    assert steps[1] < 0.9 * steps[0] and abs(steps[2] - steps[1]) <= 0.05 * steps[1]
+    assert "settle at max_lag 1" in capsys.readouterr().out

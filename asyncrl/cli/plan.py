@@ -8,6 +8,9 @@
     python launch.py plan --from-run runs/NAME                       replay a finished run: predicted vs measured
     python launch.py plan --from-run runs/NAME --what-if replicas=2 max_lag=2 decode_batch=64
                                                                      the same run, changed
+    python launch.py plan --from-run runs/NAME --sweep-admission [--lags 0 1 2 3 4]
+                                                                     the admission policy: predicted throughput at
+                                                                     each max_lag, beside the ESS the run measured
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from-run", help="a run directory (metrics.jsonl, inference.jsonl, config.yaml)")
     p.add_argument("--what-if", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="with --from-run: layout fields to change: replicas, max_lag, decode_batch, ...")
+    p.add_argument("--sweep-admission", action="store_true",
+                   help="with --from-run: predicted throughput at each of --lags, with the run's measured ESS there")
     p.add_argument("--skip-steps", type=int, default=None, help="steps left out of the steady-state figures")
     p.add_argument("--from-aot", help="with a config: the JSON rows of `launch.py aot --out` (else it compiles)")
     p.add_argument("--efficiency", type=float, default=0.7, help="share of its roofline each program reaches")
@@ -99,10 +104,38 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"{'case':<40}" + "".join(f"{k:>22}" for k in _COMPARED))
         for r in rows:
             print(f"{r['case'][:40]:<40}" + "".join(f"{r[k]:>22.3f}" for k in _COMPARED))
+    out: dict[str, Any] = {"run": args.from_run, "rows": rows, "notes": replay.notes}
+    if args.sweep_admission:
+        out["admission"] = _admission(args, replay)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"run": args.from_run, "rows": rows, "notes": replay.notes}, f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
+
+
+def _admission(args: argparse.Namespace, replay: Any) -> dict[str, Any]:
+    """Prints and returns the admission sweep of a run (`plan/admission.py`)."""
+    import os
+
+    from asyncrl.config.loader import load_run_config
+    from asyncrl.plan.admission import adaptive_reach, measured_ess_by_lag, sweep_admission
+
+    a = load_run_config(os.path.join(args.from_run, "config.yaml")).async_
+    rows = sweep_admission(replay, args.from_run, args.lags)
+    reach = adaptive_reach(measured_ess_by_lag(args.from_run), a.ess_target, max(args.lags))
+    print(f"\nadmission: predicted throughput by max_lag, and the ESS this run measured at each lag "
+          f"(async.ess_target {a.ess_target:g})")
+    print(f"{'max_lag':>8}{'step s':>10}{'trained tok/s':>15}{'lag mean':>10}{'ESS measured':>14}{'groups':>8}")
+    for r in rows:
+        ess = "-" if r["ess_measured"] is None else f"{r['ess_measured']:.3f}"
+        print(f"{r['max_lag']:>8}{r['step_s']:>10.3f}{r['trained_tokens_per_s']:>15.0f}{r['lag_mean']:>10.2f}"
+              f"{ess:>14}{r['groups_measured']:>8.0f}")
+    if reach is None:
+        print("adaptive: this run trained no stale group (max_lag 0): it says nothing of the ESS a lag costs")
+    else:
+        print(f"adaptive: on this run's ESS it would settle at max_lag {reach} (every lag up to it measured at or "
+              f"above {a.ess_target:g}; lags the run never reached are not assumed)")
+    return {"rows": rows, "ess_target": a.ess_target, "adaptive_reach": reach}
 
 
 def _aot_rows(path: str, rest: Sequence[str]) -> list[dict[str, Any]]:
