@@ -29,9 +29,10 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# Metrics of the clock, not of the training: they differ between any two runs.
+# Metrics of the clock, not of the training: they differ between any two runs. `inference/` rows are the replicas'
+# counters as last reported when the step ended (decode steps, rows finished, version): a snapshot in time.
 CLOCK = re.compile(r"(time|_s$|_s_|_ms|per_s|wait|rpc|queue|mem|busy|occupancy|straggler|compile|bytes|gib|^time$"
-                   r"|carried|in_flight|pid)", re.I)
+                   r"|carried|in_flight|pid|^inference/)", re.I)
 
 
 def run(tree: str, run_dir: str, steps: int, overrides: list[str]) -> float:
@@ -89,6 +90,7 @@ def main() -> int:
     ap.add_argument("--ref", required=True, help="the commit to compare with (e.g. the one before the option)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeat", action="store_true", help="also run this tree twice")
+    ap.add_argument("--reuse", action="store_true", help="compare the runs already in --runs-dir")
     ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "same_as_before"))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "same_as_before.json"))
     ap.add_argument("overrides", nargs="*", default=["async.max_lag=0"])
@@ -109,6 +111,8 @@ def main() -> int:
                  "wall_s": {}}
     for name, (tree, _) in runs.items():
         run_dir = os.path.join(args.runs_dir, name)
+        if args.reuse:
+            continue
         subprocess.run(["rm", "-rf", run_dir], check=True)
         out["wall_s"][name] = round(run(tree, run_dir, args.steps, args.overrides), 1)
         print(f"{name}: {out['wall_s'][name]} s")
