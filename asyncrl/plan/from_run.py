@@ -104,9 +104,11 @@ def _decode_costs(call_rows: list[tuple[float, float, float, float]], occ_pts: l
     return Affine.fit(occ_pts, step_pts), 0.0
 
 
-def read_run(run_dir: str, skip_steps: int = 3, process_cores: float | None = None) -> RunReplay:
-    """The run's model inputs (solo costs on a shared machine) and measured figures; `process_cores`: the cores each
-    busy process asks for on a shared machine (default `PROCESS_SHARE` of it)."""
+def read_run(run_dir: str, skip_steps: int = 3, process_cores: float | None = None,
+             shared_cores: float | None = None) -> RunReplay:
+    """The run's model inputs (solo costs on a shared machine) and measured figures. `process_cores`: the cores each
+    busy process asks for on a shared machine (default `PROCESS_SHARE` of it); `shared_cores`: the machine's cores,
+    instead of what `hosts.json` and this machine say (0: no contention term, the fitted costs as measured)."""
     from asyncrl.config.loader import load_run_config
 
     rows = _rows(run_dir)
@@ -191,7 +193,7 @@ def read_run(run_dir: str, skip_steps: int = 3, process_cores: float | None = No
         lengths = Lengths((max(int(round(_median(steady, "rollout/completion_len_mean", 1.0))), 1),), 16)
 
     tw = cfg.async_.train_workers
-    cores = _shared_cores(run_dir)
+    cores = _shared_cores(run_dir) if shared_cores is None else shared_cores
     demand = float(PROCESS_SHARE * cores if process_cores is None else process_cores)
     inf_hosts = cfg.run.hosts - tw
     replicas = max(len(by_replica), 1)
