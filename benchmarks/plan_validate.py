@@ -14,9 +14,9 @@ warm-start off (long, varied completions): max_lag 0, 1 (the default) and 2, and
 and doubled. Each lag run is fitted and predicts the other two through `what_if`; the default predicts the two
 batches and each batch the default. Each pair under several models: `today` (the fitted costs as measured, no
 contention term), and `shareX` (solo costs, processor sharing, each busy process asking for X of the machine's
-cores; X = `PROCESS_SHARE`, 0.6, is what `launch.py plan` does, `--shares` adds others: 0.5 0.75 1). Goal:
-step time within 15% both ways. About 5-10 minutes on a quiet 2-core machine (the five runs, ~1 min each; the
-replays take under a minute). Writes benchmarks/results/plan_cross.json.
+cores; X = `PROCESS_SHARE`, 1, is what `launch.py plan` does, `--shares` adds others: 0.6 and 0.75). Goal:
+step time within 15% both ways. About 5-7 minutes on a 2-core machine (the five runs, ~1 min each; the replays
+take under a minute). Writes benchmarks/results/plan_cross.json.
 
     PYTHONPATH=. .venv/bin/python benchmarks/plan_validate.py --cross [--steps 60] [--reuse]
 """
@@ -138,7 +138,7 @@ def main() -> int:
     ap.add_argument("--runs-dir", default=None, help="default: runs/plan_validate (runs/plan_cross with --cross)")
     ap.add_argument("--reuse", action="store_true", help="replay existing run directories instead of running")
     ap.add_argument("--cross", action="store_true", help="fit each run and predict the others (issue #39)")
-    ap.add_argument("--shares", type=float, nargs="*", default=[0.5, 0.75, 1.0],
+    ap.add_argument("--shares", type=float, nargs="*", default=[0.6, 0.75],
                     help="with --cross: shares of the machine a busy process asks for, each a model besides today's")
     ap.add_argument("--out", default=None, help="default: results/plan_validate.json (plan_cross.json with --cross)")
     args = ap.parse_args()

@@ -27,14 +27,15 @@ import numpy as np
 
 from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
 
-# Cores a busy process (the trainer, a replica) asks for on a shared machine, as a share of the machine. Not the
-# whole machine, though XLA's pool is that big: the tiny model's programs are small and much of a process's busy
-# time is single-threaded Python and dispatch. A run alone cannot tell it (its overlap hardly varies: at max_lag 0
-# the trainer's steps hardly overlap the replica's calls, at 1 and 2 nearly always), so it is a constant of the
-# machine and the programs, chosen from development runs (max_lag 0 against 1 on a loaded 2-core machine:
-# demand 1 (no contention) and 2 erred in opposite directions, 0.6 of the machine came closest);
-# `benchmarks/plan_validate.py --cross` reports every pair at several values, to check it on a quiet machine.
-PROCESS_SHARE = 0.6
+# Cores a busy process (the trainer, a replica) asks for on a shared machine, as a share of the machine: all of it,
+# the size of the thread pool XLA's CPU runtime gives each process, so two busy processes each run at half speed.
+# It is the one choice with no parameter to fit, and a run alone could not fit one (its overlap hardly varies: at
+# max_lag 0 the trainer's steps hardly overlap the replica's calls, at 1 and 2 nearly always). On development runs
+# (max_lag 0, 1, 2; a 2-core machine loaded by other work, so noisy), 1.0 gave the smallest worst error over the
+# lag-0 pairs in two of three sets of runs (0.75 in the third); no contention (0.5 here) erred by -24% to -39% one
+# way and +28% to +85% the other. `benchmarks/plan_validate.py --cross` reports every pair at 0.6, 0.75 and 1, to
+# settle it on a quiet machine.
+PROCESS_SHARE = 1.0
 IDLE_POLL_S = 0.05  # `InferenceWorker._next_requests(wait=True)`: an idle replica's blocking look at the prompts
 
 

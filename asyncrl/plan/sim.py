@@ -76,7 +76,7 @@ class _Replica:
     parked: bool = False
     phase_end: float | None = None  # queue calls made before the call about to start end here
     idle_since: float = 0.0
-    counted: bool = False  # computing: holds a share of the cores (`plan/cores.py`)
+    counted: bool = False  # holds a share of the cores (`plan/cores.py`): from its call's queue calls to its end
     scale: float = 1.0  # its current call's stretch: 1 / the rate it got when the call started
     fresh: bool = True  # between calls: the next call takes its rate anew
     # (start, end, kind, live rows) of every call: integrated over the steady window afterwards
