@@ -148,3 +148,29 @@ def test_processes_share_cores_only_when_hosts_json_puts_them_on_one_machine(tmp
     assert _shared_cores(str(tmp_path)) == 6
     (tmp_path / "hosts.json").write_text(json.dumps([one[0], {**one[1], "host": "tpu-1"}]))
     assert _shared_cores(str(tmp_path)) == 0
+
+
+def test_a_run_on_one_machine_is_read_as_solo_costs(tmp_path, monkeypatch):
+    """The synthetic run of test_plan_from_run, its processes put on one 2-core machine by hosts.json: the layout
+    records the cores, and the costs fed are solo ones that, replayed with the run's own overlap, take as long as
+    the run measured (the fixed point); without hosts.json, the costs as measured."""
+    import json
+    import os
+
+    from asyncrl.plan.from_run import read_run
+    from tests.test_plan_from_run import _synthetic_run
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    run, _ = _synthetic_run(tmp_path)
+    plain = read_run(str(run), skip_steps=3)
+    (run / "hosts.json").write_text(json.dumps([{"rank": 0, "role": "trainer", "host": "vm"},
+                                                {"rank": 1, "role": "inference", "host": "vm"}]))
+    shared = read_run(str(run), skip_steps=3)
+    assert plain.layout.shared_cores == 0 and shared.layout.shared_cores == 2
+    sim = Simulation(shared.times, shared.lengths, shared.layout)
+    sim.run()
+    assert sim.cpu.train_slowdown > 1.0  # it overlapped, so the solo step is shorter than measured
+    assert shared.times.train_step.fixed * sim.cpu.train_slowdown == pytest.approx(plain.times.train_step.fixed,
+                                                                                   rel=0.02)
+    assert shared.times.decode_call_s * sim.cpu.replica_slowdown == pytest.approx(plain.times.decode_call_s,
+                                                                                  rel=0.02)
