@@ -20,13 +20,22 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
 
+# Cores a busy process (the trainer, a replica) asks for on a shared machine, as a share of the machine: all of it,
+# the size of the thread pool XLA's CPU runtime gives each process, so two busy processes each run at half speed.
+# It is the one choice with no parameter to fit, and a run alone could not fit one (its overlap hardly varies: at
+# max_lag 0 the trainer's steps hardly overlap the replica's calls, at 1 and 2 nearly always). On development runs
+# (max_lag 0, 1, 2; a 2-core machine loaded by other work, so noisy), 1.0 gave the smallest worst error over the
+# lag-0 pairs in two of three sets of runs (0.75 in the third); no contention (0.5 here) erred by -24% to -39% one
+# way and +28% to +85% the other. `benchmarks/plan_validate.py --cross` reports every pair at 0.6, 0.75 and 1, to
+# settle it on a quiet machine.
+PROCESS_SHARE = 1.0
 IDLE_POLL_S = 0.05  # `InferenceWorker._next_requests(wait=True)`: an idle replica's blocking look at the prompts
 
 
@@ -96,7 +105,11 @@ def _decode_costs(call_rows: list[tuple[float, float, float, float]], occ_pts: l
     return Affine.fit(occ_pts, step_pts), 0.0
 
 
-def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
+def read_run(run_dir: str, skip_steps: int = 3, process_cores: float | None = None,
+             shared_cores: float | None = None) -> RunReplay:
+    """The run's model inputs (solo costs on a shared machine) and measured figures. `process_cores`: the cores each
+    busy process asks for on a shared machine (default `PROCESS_SHARE` of it); `shared_cores`: the machine's cores,
+    instead of what `hosts.json` and this machine say (0: no contention term, the fitted costs as measured)."""
     from asyncrl.config.loader import load_run_config
 
     rows = _rows(run_dir)
@@ -181,6 +194,8 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
         lengths = Lengths((max(int(round(_median(steady, "rollout/completion_len_mean", 1.0))), 1),), 16)
 
     tw = cfg.async_.train_workers
+    cores = _shared_cores(run_dir) if shared_cores is None else shared_cores
+    demand = float(PROCESS_SHARE * cores if process_cores is None else process_cores)
     inf_hosts = cfg.run.hosts - tw
     replicas = max(len(by_replica), 1)
     zv = float(np.mean([r.get("rollout/filtered_zero_variance", 0.0) for r in steady])) / max(cfg.prompts_per_step, 1)
@@ -191,7 +206,8 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
         zero_variance_share=min(zv, 0.95), filter_zero_variance=cfg.loss.filter_zero_variance,
         straggler_wait_s=cfg.async_.straggler_wait_s if tw == 1 else 0.0,
         trainer_chips=tw * cfg.run.devices_per_host, inference_chips=inf_hosts * cfg.run.devices_per_host,
-        seed=cfg.run.seed, skip_steps=skip_steps)
+        seed=cfg.run.seed, skip_steps=skip_steps, shared_cores=float(cores),
+        trainer_cores=demand, replica_cores=demand)
     times = ProgramTimes(decode_step=decode, decode_call_s=call_s, prefill=prefill, train_step=train, sync_cast_s=cast,
                          sync_transfer_s=pause, queue_hop_s=rpc_s / rpc_n if rpc_n else 0.0,
                          idle_poll_s=IDLE_POLL_S, decode_call_host_s=host_s / calls if calls else 0.0)
@@ -202,11 +218,73 @@ def read_run(run_dir: str, skip_steps: int = 3) -> RunReplay:
         inference_busy=busy / span if span > 0 else float("nan"),
         decode_occupancy=slot / (steps_sum * B) if steps_sum > 0 else float("nan"),
         dropped_lag_per_step=float(np.mean([r.get("rollout/filtered_lag", 0.0) for r in steady])))
+    if layout.shared_cores > 0:
+        times, slow_train, slow_replica = solo_times(times, lengths, layout)
+        notes.append(f"contention: the trainer and {replicas} replica(s) shared {layout.shared_cores:g} cores, each "
+                     f"asking for {layout.trainer_cores:g}; replayed, its train steps took x{slow_train:.2f} their "
+                     f"solo time and its replica calls x{slow_replica:.2f}: the costs fed are solo, and a what-if "
+                     "is slowed by the overlap it has")
     return RunReplay(times, lengths, layout, measured, notes)
 
 
+def _shared_cores(run_dir: str) -> int:
+    """The cores the run's processes shared: this machine's (`os.cpu_count()` at fit time, recorded in the layout),
+    when `hosts.json` puts the trainer and every inference host on one machine (a local run's simulated hosts);
+    0 (a machine each, no contention) when they ran on several, or the run does not say."""
+    path = os.path.join(run_dir, "hosts.json")
+    try:
+        with open(path) as f:
+            hosts = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return 0
+    names = {h.get("host") for h in hosts if isinstance(h, dict)}
+    return (os.cpu_count() or 1) if len(hosts) > 1 and len(names) == 1 and None not in names else 0
+
+
+def _scaled(t: ProgramTimes, train: float, replica: float) -> ProgramTimes:
+    """`t` with the trainer's step times multiplied by `train` and the replica's compute by `replica` (its queue
+    calls, and the sync, are waits on other processes: as measured)."""
+    def aff(a: Affine, k: float) -> Affine:
+        return Affine(a.fixed * k, a.per_unit * k)
+
+    return replace(t, train_step=aff(t.train_step, train), decode_step=aff(t.decode_step, replica),
+                   prefill=aff(t.prefill, replica), decode_call_s=t.decode_call_s * replica,
+                   decode_call_host_s=t.decode_call_host_s * replica)
+
+
+def solo_times(measured: ProgramTimes, lengths: Lengths, layout: Layout, rounds: int = 4
+               ) -> tuple[ProgramTimes, float, float]:
+    """De-contend costs fitted on a shared machine: the solo costs that, run through the model with the run's own
+    layout, take as long as measured. The logs give the trainer's busy spans but the replica's work only in ~2 s
+    report windows, too coarse to tell which of its calls overlapped a train step (at max_lag 0 they mostly do
+    not, though both are busy in every window), so the overlap is the replay's: the model reproduces the run's
+    timeline (`benchmarks/plan_validate.py`). Fixed point: solo = measured / slowdown(solo), from solo = measured;
+    the slowdown hardly moves with the costs, so a few rounds settle it. Returns the solo costs and the slowdowns
+    (wall / solo) of the trainer's steps and the replica's calls."""
+    from asyncrl.plan.sim import Simulation
+
+    solo, slow_t, slow_r = measured, 1.0, 1.0
+    if layout.shared_cores <= 0:  # a machine per host: nothing to de-contend
+        return solo, slow_t, slow_r
+    for _ in range(rounds):
+        sim = Simulation(solo, lengths, layout)
+        sim.run()
+        slow_t, slow_r = sim.cpu.train_slowdown, sim.cpu.replica_slowdown
+        solo = _scaled(measured, 1.0 / slow_t, 1.0 / slow_r)
+    return solo, slow_t, slow_r
+
+
+# Config names a what-if may use for the layout's fields.
+_CONFIG_NAMES = {"max_decode_batch_size": "decode_batch", "inference.max_decode_batch_size": "decode_batch",
+                 "async.max_lag": "max_lag", "max_prefill_prompts": "prefill_prompts",
+                 "inference.max_prefill_prompts": "prefill_prompts"}
+
+
 def what_if(replay: RunReplay, **changes: Any) -> Layout:
-    """The run's layout with some fields changed (more replicas, another max_lag, a bigger decode batch)."""
+    """The run's layout with some fields changed (more replicas, another max_lag, a bigger decode batch), by their
+    layout names or their config names (`max_decode_batch_size` for `decode_batch`). The costs stay the run's solo
+    ones: on a shared machine the what-if's own overlap slows them."""
+    changes = {_CONFIG_NAMES.get(k, k): v for k, v in changes.items()}
     bad = [k for k in changes if k not in Layout.__dataclass_fields__]
     if bad:
         raise ValueError(f"plan: unknown layout field(s) {bad}; choose from {sorted(Layout.__dataclass_fields__)}")

@@ -128,6 +128,11 @@ class Layout:
     seed: int = 0
     skip_steps: int = 3
     """Steady-state figures leave out the first steps (the pipeline filling)."""
+    shared_cores: float = 0.0
+    """Cores of the one machine every process runs on (a local run: `os.cpu_count()` when it was fitted); 0: each
+    host is a machine of its own, as TPU hosts are (no contention: `plan/cores.py`)."""
+    trainer_cores: float = 0.0  # cores a busy trainer asks for on that machine (0: all of them)
+    replica_cores: float = 0.0  # cores a busy replica asks for (0: all of them)
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "replicas", "decode_batch", "steps", "prefill_prompts",
@@ -136,5 +141,7 @@ class Layout:
                 raise ValueError(f"plan layout: {name}={getattr(self, name)} must be >= 1")
         if self.max_lag < 0:
             raise ValueError(f"plan layout: max_lag={self.max_lag} must be >= 0")
+        if min(self.shared_cores, self.trainer_cores, self.replica_cores) < 0:
+            raise ValueError("plan layout: shared_cores, trainer_cores and replica_cores must be >= 0")
         if not 0 <= self.zero_variance_share < 1:
             raise ValueError(f"plan layout: zero_variance_share={self.zero_variance_share} must be in [0, 1)")

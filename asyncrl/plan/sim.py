@@ -23,6 +23,8 @@ What it simulates, each as the real code does it (the module that does it in bra
   moves the weights (`sync_transfer_s`) once every replica has parked; the replicas resume under the new version
   and the feeder's gate opens by one step. With `overlap` the trainer goes on after the cast and waits for the
   chain only before its next sync; without it, it waits for the chain.
+- Shared cores (`plan/cores.py`, a local run's hosts being processes of one machine): a train step and a replica's
+  calls take longer while the other computes, by processor sharing; off (`shared_cores` 0) at target scale.
 
 Outputs (`Result`): step time, trainer and inference busy fractions, decode-slot occupancy, groups dropped for lag
 and zero variance, time the trainer is blocked on syncs, tokens per second per chip, over the steady state (the
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncrl.plan.cores import CoreShare, Cpu
 from asyncrl.plan.inputs import Layout, Lengths, ProgramTimes
 from asyncrl.plan.result import Result, steady_state
 
@@ -73,6 +76,9 @@ class _Replica:
     parked: bool = False
     phase_end: float | None = None  # queue calls made before the call about to start end here
     idle_since: float = 0.0
+    counted: bool = False  # holds a share of the cores (`plan/cores.py`): from its call's queue calls to its end
+    scale: float = 1.0  # its current call's stretch: 1 / the rate it got when the call started
+    fresh: bool = True  # between calls: the next call takes its rate anew
     # (start, end, kind, live rows) of every call: integrated over the steady window afterwards
     calls: list = field(default_factory=list)
 
@@ -86,6 +92,8 @@ class Simulation:
         self._events: list = []
         self._seq = itertools.count()
         self.replicas = [_Replica(i) for i in range(layout.replicas)]
+        self.cpu = Cpu(CoreShare(layout.shared_cores, layout.trainer_cores, layout.replica_cores), self._at,
+                       lambda: self.now)
         # feeder
         self.synced: int | None = None
         self.next_pos = 0
@@ -162,7 +170,9 @@ class Simulation:
     def _replica_next(self, r: _Replica) -> None:
         """Replica `r` is between calls at `now`: park for a sync, prefill, decode, or idle."""
         r.busy = False
+        r.fresh = True
         if self.sync_version is not None and not r.parked:
+            self._stops(r)
             r.parked = True
             self._maybe_start_chain()
             return
@@ -170,16 +180,17 @@ class Simulation:
         while r.pending and len(r.rows) < self.lay.decode_batch:  # one row per decode call
             r.rows.append(r.pending.popleft())
             if r.pending and len(r.rows) < self.lay.decode_batch:  # more to take in: this call returns at once
-                self._phase(r, self.t.decode_call_host_s, "host", 0)
-                self._phase(r, self.t.decode_call_s, "insert", len(r.rows))
+                self._phase(r, self._dur(r, self.t.decode_call_host_s), "host", 0)
+                self._phase(r, self._dur(r, self.t.decode_call_s), "insert", len(r.rows))
                 self._take_out(r, r.phase_end)  # the call also takes a finished row out (a swap)
         if r.out and not r.pending and not self.queue:
             # Nothing to take in: a finished row comes out in a call of its own, through the worker's loop
             # (`Engine.advance`: the two queue looks, host work, the call).
             self._phase(r, 2 * hop, "queue", 0)
-            self._phase(r, self.t.decode_call_host_s, "host", 0)
-            self._take_out(r, r.phase_end + self.t.decode_call_s)
-            self._call(r, self.t.decode_call_s, "insert", len(r.rows))
+            self._phase(r, self._dur(r, self.t.decode_call_host_s), "host", 0)
+            dt = self._dur(r, self.t.decode_call_s)
+            self._take_out(r, r.phase_end + dt)
+            self._call(r, dt, "insert", len(r.rows))
             return
         # The worker takes the next prompts as soon as the last ones' rows are all in the batch, before it decodes.
         if not r.pending and self.queue:
@@ -195,17 +206,18 @@ class Simulation:
                 g.oldest = min(g.oldest, r.version)
                 for n_tok in lens:
                     r.pending.append(_Row(pos, int(n_tok), int(n_tok), r.version))
-            self._call(r, self.t.prefill(n * self.L.prompt), "prefill", 0)
+            self._call(r, self._dur(r, self.t.prefill(n * self.L.prompt)), "prefill", 0)
             return
         if not r.rows:
+            self._stops(r)
             r.idle_since = self.now
             return  # idle until prompts are released or a sync ends
         if not r.pending:  # no rows waiting: the loop looks at both prompt queues before each decode call
             self._phase(r, 2 * hop, "queue", 0)
-        self._phase(r, self.t.decode_call_host_s, "host", 0)
+        self._phase(r, self._dur(r, self.t.decode_call_host_s), "host", 0)
         k = min(min(x.remaining for x in r.rows), self.lay.decode_chunk_steps)
         n = len(r.rows)
-        dt = self.t.decode_call_s + k * self.t.decode_step(n)
+        dt = self._dur(r, self.t.decode_call_s + k * self.t.decode_step(n))
         done = []
         for x in r.rows:
             x.remaining -= k
@@ -219,6 +231,17 @@ class Simulation:
         if done:
             self._at(start + dt, self._sample_done, r.out.popleft(), r.idx)
         self._call(r, dt, "decode", n)
+
+    def _dur(self, r: _Replica, solo: float) -> float:
+        """A replica's compute of `solo` s alone, stretched by its share of the cores as its call starts."""
+        if r.fresh:  # queue calls are waits on other processes, not compute: never stretched
+            r.fresh, r.scale, r.counted = False, self.cpu.replica_scale(starts=not r.counted), True
+        return self.cpu.replica_work(solo, r.scale)
+
+    def _stops(self, r: _Replica) -> None:
+        if r.counted:
+            r.counted = False
+            self.cpu.replica_stops()
 
     def _take_out(self, r: _Replica, when: float) -> None:
         if r.out:
@@ -300,10 +323,10 @@ class Simulation:
         generated = sum(g.generated for g in batch)
         dt = self.t.train_step(tokens)
         self.training = True
-        self.train_spans.append((self.now, self.now + dt))
-        self._at(self.now + dt, self._train_done, tokens, generated)
+        self.cpu.train(dt, self._train_done, tokens, generated)  # beside the busy replicas on a shared machine
 
-    def _train_done(self, tokens: int, generated: int) -> None:
+    def _train_done(self, start: float, tokens: int, generated: int) -> None:
+        self.train_spans.append((start, self.now))
         self.version += 1
         self.step_ends.append(self.now)
         self.trained_tokens.append((self.now, tokens, generated))
