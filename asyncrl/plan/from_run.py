@@ -30,11 +30,10 @@ from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
 # Cores a busy process (the trainer, a replica) asks for on a shared machine, as a share of the machine: all of it,
 # the size of the thread pool XLA's CPU runtime gives each process, so two busy processes each run at half speed.
 # It is the one choice with no parameter to fit, and a run alone could not fit one (its overlap hardly varies: at
-# max_lag 0 the trainer's steps hardly overlap the replica's calls, at 1 and 2 nearly always). On development runs
-# (max_lag 0, 1, 2; a 2-core machine loaded by other work, so noisy), 1.0 gave the smallest worst error over the
-# lag-0 pairs in two of three sets of runs (0.75 in the third); no contention (0.5 here) erred by -24% to -39% one
-# way and +28% to +85% the other. `benchmarks/plan_validate.py --cross` reports every pair at 0.6, 0.75 and 1, to
-# settle it on a quiet machine.
+# max_lag 0 the trainer's steps hardly overlap the replica's calls, at 1 and 2 nearly always). Checked on two quiet
+# sets of five runs each (benchmarks/README.md, plan section): the lag what-ifs (max_lag 0, 1, 2 from each other)
+# within 16% and 11% at 1.0, against 13% and 23% at 0.75 (fitted to the first set, it did not hold on the second),
+# 19% and 29% at 0.6, and 31% and 42% with no contention term.
 PROCESS_SHARE = 1.0
 IDLE_POLL_S = 0.05  # `InferenceWorker._next_requests(wait=True)`: an idle replica's blocking look at the prompts
 
