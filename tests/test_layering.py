@@ -39,7 +39,9 @@ DIRECT = {
     "aot": {"inference", "train", "models", "sharding"},
     "config": {"inference", "orchestration", "endpoint", "tasks", "tools", "train", "weightsync",
                "validate"},  # the run's config
-    "plan": {"config", "aot"},  # the pipeline model: a run's config, and at target scale the compiled programs' costs
+    # the pipeline model: a run's config, at target scale the compiled programs' costs, and on this machine the
+    # decode program's measured cost at another batch size (plan/probe.py)
+    "plan": {"config", "aot", "inference", "models", "rollout"},
     "cli": {"config", "orchestration", "aot", "plan", "inference", "envs", "tasks", "models", "rollout", "validate"},
     "generate": {"cli"},  # `python -m asyncrl.generate`, kept
     "evaluate": {"cli"},
