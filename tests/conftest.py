@@ -13,6 +13,22 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: heavy test (real model, multi-process); deselect with -m 'not slow'")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--ray-unit", choices=("all", "only", "none"), default="all",
+                     help="run the tests that start local Ray clusters (RAY_MODULES, RAY_TESTS) with the others "
+                          "(all), alone (only), or leave them out (none): .ci/run runs none, then only")
+
+
+def pytest_collection_modifyitems(config, items):
+    which = config.getoption("--ray-unit")
+    if which == "all":
+        return
+    keep = [it for it in items if (unit_of(it.nodeid) == RAY_UNIT) == (which == "only")]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+        items[:] = keep
+
+
 # The tests that start local Ray clusters (launch.py runs, ray.init, `ray start`), default and slow: whole modules,
 # and single tests of modules whose other tests run in one process. Under `-n 2 --dist loadfile` they are one unit
 # of work, which one worker runs one test at a time while the other runs the in-process modules beside it:
