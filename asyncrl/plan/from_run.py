@@ -21,11 +21,14 @@ import glob
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import Config
 
 # Cores a busy process (the trainer, a replica) asks for on a shared machine, as a share of the machine: all of it,
 # the size of the thread pool XLA's CPU runtime gives each process, so two busy processes each run at half speed.
@@ -58,7 +61,7 @@ class RunReplay:
     layout: Layout
     measured: Measured
     notes: list = field(default_factory=list)
-    cfg: Any = None
+    cfg: Config | None = None
     """The run's `Config` (its model and inference settings, for `probe.decode_step_seconds`)."""
 
 

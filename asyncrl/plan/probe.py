@@ -21,11 +21,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from asyncrl.config.schema import Config
 
-def decode_step_seconds(cfg, batches: Sequence[int], prompt_len: int, repeats: int = 3, budget_s: float = 3.0,
+
+def decode_step_seconds(cfg: Config, batches: Sequence[int], prompt_len: int, repeats: int = 3, budget_s: float = 3.0,
                         log: Callable[[str], None] | None = None) -> dict[int, float]:
     """Seconds per decode step of `cfg`'s model and inference settings (a `Config`) at each batch size."""
     import jax
