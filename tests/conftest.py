@@ -16,7 +16,7 @@ def pytest_configure(config):
 def pytest_addoption(parser):
     parser.addoption("--ray-unit", choices=("all", "only", "none"), default="all",
                      help="run the tests that start local Ray clusters (RAY_MODULES, RAY_TESTS) with the others "
-                          "(all), alone (only), or leave them out (none): .ci/run runs none, then only")
+                          "(all), alone (only), or leave them out (none)")
 
 
 def pytest_collection_modifyitems(config, items):
