@@ -12,12 +12,11 @@ Goal (issue #26): step time within 15%, busy shares within 10 points. Writes ben
 Cross mode (issue #39): does a replay predict a run it has not seen? Five runs of the local default with its format
 warm-start off (long, varied completions): max_lag 0, 1 (the default) and 2, and the default's decode batch halved
 and doubled. Each lag run is fitted and predicts the other two through `what_if`; the default predicts the two
-batches and each batch the default (the decode step at the other batch size measured on this machine first, as
-`launch.py plan --what-if decode_batch=N` does; also shown without it). Each pair under several models: `today`
-(the fitted costs as measured, no contention term), and `shareX` (solo costs, processor sharing, each busy process
-asking for X of the machine's cores; X = `PROCESS_SHARE`, 1, is what `launch.py plan` does, `--shares` adds
-others: 0.6 and 0.75). Goal: step time within 15% both ways. About 6-8 minutes on a 2-core machine (the five runs,
-~1 min each; the probe and the replays take under a minute). Writes benchmarks/results/plan_cross.json.
+batches and each batch the default. Each pair under several models: `today` (the fitted costs as measured, no
+contention term), and `shareX` (solo costs, processor sharing, each busy process asking for X of the machine's
+cores; X = `PROCESS_SHARE`, 1, is what `launch.py plan` does, `--shares` adds others: 0.6 and 0.75). Goal:
+step time within 15% both ways. About 5-7 minutes on a 2-core machine (the five runs, ~1 min each; the replays
+take under a minute). Writes benchmarks/results/plan_cross.json.
 
     PYTHONPATH=. .venv/bin/python benchmarks/plan_validate.py --cross [--steps 60] [--reuse]
 """
@@ -84,8 +83,7 @@ def cross_pairs(names: list[str]) -> list[tuple[str, str]]:
 
 
 def cross(args: argparse.Namespace, info: dict) -> int:
-    from asyncrl.plan.from_run import PROCESS_SHARE, decode_at_batch, what_if
-    from asyncrl.plan.probe import decode_step_seconds
+    from asyncrl.plan.from_run import PROCESS_SHARE, what_if
 
     cases = cross_cases()
     for name, (overrides, _) in cases.items():
@@ -100,13 +98,6 @@ def cross(args: argparse.Namespace, info: dict) -> int:
     replays = {m: {n: read_run(os.path.join(args.runs_dir, n), shared_cores=demand[m][0],
                                process_cores=demand[m][1]) for n in cases} for m in models}
     default = f"share{PROCESS_SHARE:g}"
-    # The batch what-ifs: a decode step at the other batch sizes, measured on this machine (plan/probe.py), as
-    # `launch.py plan --what-if decode_batch=N` does; the default model is also shown without it.
-    batches = sorted({c[1]["decode_batch"] for c in cases.values()})
-    base = replays[default]["lag0"]
-    print(f"measuring the decode step at batch sizes {batches} on this machine ...")
-    step_s = decode_step_seconds(base.cfg, batches, base.lengths.prompt, log=print)
-    noprobe = f"{default} no probe"
     out = {"machine": info, "steps": args.steps, "reused_runs": args.reuse, "process_share": PROCESS_SHARE,
            "models": {m: {"shared_cores": replays[m]["lag0"].layout.shared_cores,
                           "process_cores": replays[m]["lag0"].layout.trainer_cores} for m in models},
@@ -114,24 +105,21 @@ def cross(args: argparse.Namespace, info: dict) -> int:
                         "notes": replays[default][n].notes,
                         "train_step_solo": vars(replays[default][n].times.train_step),
                         "train_step_measured": vars(replays["today"][n].times.train_step)} for n in cases},
-           "decode_probe_s": {str(k): v for k, v in step_s.items()}, "pairs": []}
-    cols = models + [noprobe]
-    print(f"\n{'fitted on':<11}{'predicts':<11}{'measured s':>11}" + "".join(f"{m[:16] + ' s':>19}{'err':>7}"
-                                                                          for m in cols))
+           "pairs": []}
+    print(f"\n{'fitted on':<11}{'predicts':<11}{'measured s':>11}" + "".join(f"{m + ' s':>13}{'err':>7}"
+                                                                          for m in models))
     for a, b in cross_pairs(list(cases)):
         meas = replays["today"][b].measured.step_s
         row = {"fitted_on": a, "predicts": b, "measured_step_s": meas}
-        for m in cols:
-            rep = replays[m if m != noprobe else default][a]
-            lay = what_if(rep, **cases[b][1])
-            times = rep.times if m == noprobe else decode_at_batch(rep, lay.decode_batch, step_s)
-            res = simulate(times, rep.lengths, lay)
+        for m in models:
+            rep = replays[m][a]
+            res = simulate(rep.times, rep.lengths, what_if(rep, **cases[b][1]))
             row[m] = {"step_s": res.step_s, "ratio": res.step_s / meas, "trainer_busy": res.trainer_busy,
                       "inference_busy": res.inference_busy}
         out["pairs"].append(row)
-        print(f"{a:<11}{b:<11}{meas:>11.3f}" + "".join(f"{row[m]['step_s']:>19.3f}{100 * (row[m]['ratio'] - 1):>+6.0f}%"
-                                                     for m in cols))
-    for m in cols:
+        print(f"{a:<11}{b:<11}{meas:>11.3f}" + "".join(f"{row[m]['step_s']:>13.3f}{100 * (row[m]['ratio'] - 1):>+6.0f}%"
+                                                     for m in models))
+    for m in models:
         worst = max(abs(r[m]["ratio"] - 1) for r in out["pairs"])
         out[f"worst_error_{m}"] = worst
         print(f"{m}: worst step-time error {100 * worst:.0f}% ({'within' if worst <= 0.15 else 'outside'} 15%)")

@@ -39,9 +39,7 @@ DIRECT = {
     "aot": {"inference", "train", "models", "sharding"},
     "config": {"inference", "orchestration", "endpoint", "tasks", "tools", "train", "weightsync",
                "validate"},  # the run's config
-    # the pipeline model: a run's config, at target scale the compiled programs' costs, and on this machine the
-    # decode program's measured cost at another batch size (plan/probe.py)
-    "plan": {"config", "aot", "inference", "models", "rollout"},
+    "plan": {"config", "aot"},  # the pipeline model: a run's config, and at target scale the compiled programs' costs
     "cli": {"config", "orchestration", "aot", "plan", "inference", "envs", "tasks", "models", "rollout", "validate"},
     "generate": {"cli"},  # `python -m asyncrl.generate`, kept
     "evaluate": {"cli"},

@@ -174,35 +174,3 @@ def test_a_run_on_one_machine_is_read_as_solo_costs(tmp_path, monkeypatch):
                                                                                    rel=0.02)
     assert shared.times.decode_call_s * sim.cpu.replica_slowdown == pytest.approx(plain.times.decode_call_s,
                                                                                   rel=0.02)
-
-
-def test_decode_at_batch_moves_a_full_step_by_the_measured_ratio():
-    from asyncrl.plan.from_run import RunReplay, decode_at_batch
-
-    lay = Layout(prompts_per_step=4, group_size=8, replicas=1, decode_batch=32, max_lag=1, steps=25)
-    rep = RunReplay(T, Lengths((10,), 8), lay, None)
-    assert decode_at_batch(rep, 32, {}) is T  # same batch: the run's costs, nothing measured
-    half = decode_at_batch(rep, 16, {32: 0.004, 16: 0.003})
-    full32 = T.decode_step(32)
-    assert half.decode_step(16) == pytest.approx(0.75 * full32)  # a full step at 16 rows: 3/4 of one at 32
-    assert half.decode_step.per_unit == T.decode_step.per_unit  # the per-row part stays
-    assert half.decode_call_s == pytest.approx(0.75 * T.decode_call_s)  # the call's fixed cost moves with it
-    assert (half.train_step, half.prefill, half.decode_call_host_s) == (T.train_step, T.prefill,
-                                                                        T.decode_call_host_s)
-    tiny = decode_at_batch(rep, 2, {32: 0.004, 2: 0.0001})  # the per-row part alone would exceed it: no fixed part
-    assert tiny.decode_step.fixed == 0.0 and tiny.decode_step(2) == pytest.approx(full32 / 40)
-    with pytest.raises(ValueError, match=r"batch size\(s\) \[64\]"):
-        decode_at_batch(rep, 64, {32: 0.004})
-
-
-def test_probe_times_the_runs_decode_program_at_each_batch_size():
-    from asyncrl.config.loader import load_config
-    from asyncrl.plan.probe import decode_step_seconds
-
-    cfg = load_config("default", [])
-    lines: list[str] = []
-    step_s = decode_step_seconds(cfg, [8, 4, 8], prompt_len=8, repeats=1, budget_s=0.0, log=lines.append)
-    assert sorted(step_s) == [4, 8] and all(0 < s < 1 for s in step_s.values()), step_s
-    assert len(lines) == 2 and "batch 4" in lines[0] and "passes" in lines[0]
-    with pytest.raises(ValueError, match="max_seq_len=8"):
-        decode_step_seconds(load_config("default", ["inference.max_seq_len=8"]), [4], prompt_len=8)

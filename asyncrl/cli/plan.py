@@ -36,9 +36,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from-run", help="a run directory (metrics.jsonl, inference.jsonl, config.yaml)")
     p.add_argument("--what-if", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="with --from-run: layout fields to change: replicas, max_lag, decode_batch, ...")
-    p.add_argument("--probe-decode", action="store_true",
-                   help="with --what-if decode_batch=N: measure the decode step at both batch sizes on this machine "
-                        "even if the run's hosts were other machines")
     p.add_argument("--sweep-admission", action="store_true",
                    help="with --from-run: predicted throughput at each of --lags, with the run's measured ESS there")
     p.add_argument("--skip-steps", type=int, default=None, help="steps left out of the steady-state figures")
@@ -88,13 +85,12 @@ def _replay(args: argparse.Namespace) -> int:
     replay = read_run(args.from_run, 3 if args.skip_steps is None else args.skip_steps)
     for note in replay.notes:
         print(f"note: {note}")
-    runs = {"as run": (replay.layout, replay.times)}
+    runs = {"as run": replay.layout}
     if args.what_if:
-        layout = what_if(replay, **_changes(args.what_if))
-        runs["what if " + " ".join(args.what_if)] = (layout, _decode_batch_times(args, replay, layout))
+        runs["what if " + " ".join(args.what_if)] = what_if(replay, **_changes(args.what_if))
     rows: list[dict[str, Any]] = [{"case": "measured", **replay.measured.row()}]
-    for name, (layout, times) in runs.items():
-        res = simulate(times, replay.lengths, layout)
+    for name, layout in runs.items():
+        res = simulate(replay.times, replay.lengths, layout)
         rows.append({"case": name, **predicted_row(res, res.steps)})
     t = replay.times
     print(f"fed with: decode step {1e3 * t.decode_step.fixed:.2f} ms + {1e3 * t.decode_step.per_unit:.3f} ms/row, "
@@ -115,27 +111,6 @@ def _replay(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return 0
-
-
-def _decode_batch_times(args: argparse.Namespace, replay: Any, layout: Any) -> Any:
-    """The costs for a what-if layout: the run's, with the decode step at the what-if's batch size measured on
-    this machine when the batch changes (`plan/probe.py`: a run measures its own batch size only). The probe is
-    only meaningful on the machine the run ran on: a run whose processes shared this machine (`hosts.json`), or
-    any run with --probe-decode."""
-    if layout.decode_batch == replay.layout.decode_batch:
-        return replay.times
-    if not (args.probe_decode or replay.layout.shared_cores > 0):
-        print(f"note: decode_batch={layout.decode_batch}: the run's decode step cost is kept per step (it ran on "
-              "other machines; --probe-decode measures it here, if this machine is like the run's)")
-        return replay.times
-    from asyncrl.plan.from_run import decode_at_batch
-    from asyncrl.plan.probe import decode_step_seconds
-
-    print(f"measuring the decode step at batch {replay.layout.decode_batch} and {layout.decode_batch} on this "
-          "machine (the run's model and inference settings, random weights) ...")
-    step_s = decode_step_seconds(replay.cfg, [replay.layout.decode_batch, layout.decode_batch],
-                                 replay.lengths.prompt, log=print)
-    return decode_at_batch(replay, layout.decode_batch, step_s)
 
 
 def _admission(args: argparse.Namespace, replay: Any) -> dict[str, Any]:

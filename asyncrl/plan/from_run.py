@@ -21,14 +21,11 @@ import glob
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
-
-if TYPE_CHECKING:
-    from asyncrl.config.schema import Config
 
 # Cores a busy process (the trainer, a replica) asks for on a shared machine, as a share of the machine: all of it,
 # the size of the thread pool XLA's CPU runtime gives each process, so two busy processes each run at half speed.
@@ -61,8 +58,6 @@ class RunReplay:
     layout: Layout
     measured: Measured
     notes: list = field(default_factory=list)
-    cfg: Config | None = None
-    """The run's `Config` (its model and inference settings, for `probe.decode_step_seconds`)."""
 
 
 def _jsonl(path: str) -> list[dict]:
@@ -228,7 +223,7 @@ def read_run(run_dir: str, skip_steps: int = 3, process_cores: float | None = No
                      f"asking for {layout.trainer_cores:g}; replayed, its train steps took x{slow_train:.2f} their "
                      f"solo time and its replica calls x{slow_replica:.2f}: the costs fed are solo, and a what-if "
                      "is slowed by the overlap it has")
-    return RunReplay(times, lengths, layout, measured, notes, cfg)
+    return RunReplay(times, lengths, layout, measured, notes)
 
 
 def _shared_cores(run_dir: str) -> int:
@@ -293,23 +288,3 @@ def what_if(replay: RunReplay, **changes: Any) -> Layout:
     if bad:
         raise ValueError(f"plan: unknown layout field(s) {bad}; choose from {sorted(Layout.__dataclass_fields__)}")
     return Layout(**{**replay.layout.__dict__, **changes})
-
-
-def decode_at_batch(replay: RunReplay, batch: int, step_s: dict[int, float]) -> ProgramTimes:
-    """The run's costs with its decode program moved to another batch size. The run measured its own batch B
-    (a full step at B rows: its fitted step cost at B, and the decode call's fixed cost); `step_s` holds a busy
-    replica's decode seconds per step at B and at `batch` on this machine (`probe.decode_step_seconds`), and both
-    are scaled by their ratio, so the level (and the contention the run ran under) stays the run's and only the
-    shape comes from the probe. The per-row part of the step's fit (work per live row) stays; the fixed part takes
-    the rest."""
-    b0 = replay.layout.decode_batch
-    if batch == b0:
-        return replay.times
-    missing = [b for b in (b0, batch) if not step_s.get(b, 0.0) > 0.0]
-    if missing:
-        raise ValueError(f"plan: no measured decode step at batch size(s) {missing}")
-    t, ratio = replay.times, step_s[batch] / step_s[b0]
-    full = t.decode_step(b0) * ratio
-    fixed = full - t.decode_step.per_unit * batch
-    step = Affine(fixed, t.decode_step.per_unit) if fixed >= 0 else Affine(0.0, full / batch)
-    return replace(t, decode_step=step, decode_call_s=t.decode_call_s * ratio)
