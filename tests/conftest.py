@@ -23,9 +23,11 @@ def pytest_collection_modifyitems(config, items):
     which = config.getoption("--ray-unit")
     if which == "all":
         return
-    keep = [it for it in items if (unit_of(it.nodeid) == RAY_UNIT) == (which == "only")]
-    if len(keep) < len(items):
-        config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+    keep, drop = [], []
+    for it in items:
+        (keep if (unit_of(it.nodeid) == RAY_UNIT) == (which == "only") else drop).append(it)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
         items[:] = keep
 
 
