@@ -23,44 +23,42 @@ def _tensors(path):
     return {k: np.array(f.get(k)) for k in f.keys()}
 
 
-@pytest.mark.parametrize("freeze_a", [False, True])
-def test_lora_run_syncs_the_adapters_alone_and_exports_them_for_peft(tmp_path, freeze_a):
-    run_dir = str(tmp_path / "run")
-    res = launch(run_dir, *LORA, f"train.lora.freeze_a={freeze_a}")
+# The default suite runs it with A trained; A frozen is in the slow suite (the same launch count as before the two
+# tests were one: an export run each in the default suite, a straight and a resumed run each in the slow one).
+@pytest.mark.parametrize("freeze_a", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_lora_run_syncs_adapters_alone_exports_for_peft_and_resumes_exactly(tmp_path, freeze_a):
+    """One LoRA run of 9 steps, uninterrupted: the first weight sync carries the base and the adapters, every later
+    one the adapters alone (B alone with A frozen); the KL reference (the base) differs from the policy; the run
+    exports the adapters for PEFT and the merged model. Then the same run with a trainer SIGKILL at step 7, which
+    restarts from its step-6 checkpoint. At max_lag 0 the run is deterministic, so the final adapters must equal
+    the uninterrupted run's bit for bit: every update after the resume depends on the restored adapters, their
+    Adam moments (restored, not re-initialised) and the KL reference (the base, rebuilt from the cached
+    warm-start). (One test, so that CI builds the uninterrupted run once.)"""
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    args = [*LORA, "train.total_steps=9", f"train.lora.freeze_a={freeze_a}"]
+    res = launch(straight, *args)
     assert res.returncode == 0, res.stderr[-4000:]
-    r = rows(run_dir)
-    assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6]
+    r = rows(straight)
+    assert [x["step"] for x in r] == list(range(1, 10))
     cfg = preset("tiny")
     from omegaconf import OmegaConf
 
-    dtype = OmegaConf.load(os.path.join(run_dir, "config.yaml")).inference.params_dtype  # both travel in it
+    dtype = OmegaConf.load(os.path.join(straight, "config.yaml")).inference.params_dtype  # both travel in it
     first_bytes = np.dtype(dtype).itemsize * lora.count(cfg, 8, tuple(lora.TARGETS))
     adapter_bytes = np.dtype(dtype).itemsize * lora.count(cfg, 8, tuple(lora.TARGETS), ("b",) if freeze_a else "ab")
     base_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params_lib.shapes(cfg, dtype)))
     sync = [x["weight_sync_bytes"] for x in r]
     assert sync[0] == base_bytes + first_bytes and set(sync[1:]) == {adapter_bytes}, sync
-    kl = [x["train/kl"] for x in r]
-    assert all(np.isfinite(kl)) and max(kl) > 0  # the reference (the base) differs from the trained policy
-    with open(os.path.join(run_dir, "hf_adapter", "adapter_config.json")) as f:
+    kl_a = [x["train/kl"] for x in r]
+    assert all(np.isfinite(kl_a)) and max(kl_a) > 0  # the reference (the base) differs from the trained policy
+    with open(os.path.join(straight, "hf_adapter", "adapter_config.json")) as f:
         conf = json.load(f)
     assert conf["peft_type"] == "LORA" and conf["r"] == 8 and conf["lora_alpha"] == 16.0
-    ad = lora.from_peft_tensors(cfg, _tensors(os.path.join(run_dir, "hf_adapter", "adapter_model.safetensors")), 8,
+    ad = lora.from_peft_tensors(cfg, _tensors(os.path.join(straight, "hf_adapter", "adapter_model.safetensors")), 8,
                                 tuple(lora.TARGETS))
     assert all(np.abs(p["b"]).max() > 0 for p in ad.values())  # trained: B moved off its zero init
-    assert os.path.isfile(os.path.join(run_dir, "hf", "model.safetensors"))  # the merged model
+    assert os.path.isfile(os.path.join(straight, "hf", "model.safetensors"))  # the merged model
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("freeze_a", [False, True])
-def test_lora_kill_and_resume_equals_uninterrupted(tmp_path, freeze_a):
-    """A trainer SIGKILL at step 7 restarts the run from its step-6 checkpoint. At max_lag 0 the run is
-    deterministic, so the final adapters must equal an uninterrupted run's bit for bit: every update after the
-    resume depends on the restored adapters, their Adam moments (restored, not re-initialised) and the KL
-    reference (the base, rebuilt from the cached warm-start)."""
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    args = [*LORA, "train.total_steps=9", f"train.lora.freeze_a={freeze_a}"]
-    res = launch(straight, *args)
-    assert res.returncode == 0, res.stderr[-4000:]
     res = launch(resumed, *args, "run.max_restarts=1", env_extra={"ASYNCRL_FAULTS": "kill@step:0:7"})
     assert res.returncode == 0, res.stderr[-4000:]
     resumed_at = [int(x) for x in re.findall(r"resuming .* from checkpoint step (\d+)", res.stderr)]
@@ -71,6 +69,5 @@ def test_lora_kill_and_resume_equals_uninterrupted(tmp_path, freeze_a):
         assert a.keys() == b.keys()
         for k in a:
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name}: {k}")
-    kl_a = [x["train/kl"] for x in rows(straight)]
     kl_b = [x["train/kl"] for x in rows(resumed)]
-    assert kl_a == kl_b and max(kl_a) > 0
+    assert kl_a == kl_b

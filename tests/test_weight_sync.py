@@ -31,8 +31,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(n: int, tw: int, ndev: int = 2, bucket_mb: float = 64.0, events: str = "", delay: float = 0.0,
+def _run(n: int, tw: int, ndev: int = 2, bucket_mb: float | str = 64.0, events: str = "", delay: float = 0.0,
          extra_env: dict | None = None) -> list[str]:
+    """`n` processes of tests/weightsync_worker.py; their RESULT lines. `bucket_mb`: a size, or several joined by
+    commas, each a chain of two syncs in the same launch."""
     port = _port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")} | (extra_env or {})
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "weightsync_worker.py"), str(r), str(n), str(port),
@@ -100,18 +102,29 @@ def test_plan_buckets_keep_a_row_larger_than_the_bucket_whole():
     assert [[(p.start, p.stop) for p in b] for b in buckets] == [[(0, 1)], [(1, 2)], [(2, 3)]]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("n,tw,ndev", [(2, 1, 1), (3, 1, 1), (4, 2, 1), (4, 1, 1), (3, 1, 2), (4, 2, 2)])
-@pytest.mark.parametrize("bucket_mb", [SMALLER_THAN_A_LEAF, LARGER_THAN_THE_MODEL])
-def test_hop_chain_bit_exact(n, tw, ndev, bucket_mb):
-    results = _run(n, tw, ndev, bucket_mb)
-    assert len(results) == 2 * n, results
+def _check_bit_exact(n: int, tw: int, ndev: int) -> None:
+    """One launch of `n` processes runs a chain at each bucket size (below a leaf, above the model), two syncs
+    each: every receiver gets every byte, every slot takes part, leaves are cut into row ranges where there is
+    a hop to overlap, and the trainer sends views of its own cast."""
+    sizes = (SMALLER_THAN_A_LEAF, LARGER_THAN_THE_MODEL)
+    results = _run(n, tw, ndev, ",".join(f"{b:g}" for b in sizes))
+    assert len(results) == 2 * 2 * n, results
     assert all("ok=True" in r for r in results), results
-    # every slot took part: slot 0 (trainers) and slots 1.. (receivers)
-    assert {r.split()[2] for r in results} == {f"slot={s}" for s in range(n // tw)}
-    cut = bucket_mb == SMALLER_THAN_A_LEAF and n // tw > 2  # one hop (2 slots) never cuts
-    assert all(f"buckets={35 if cut else 1}" in r for r in results), results
-    assert all("views=True" in r for r in results if "slot=0" in r), results  # the trainer's cast left as it was
+    for bucket_mb in sizes:
+        rs = [r for r in results if f" bucket_mb={bucket_mb:g} " in r]
+        assert len(rs) == 2 * n, results
+        # every slot took part: slot 0 (trainers) and slots 1.. (receivers)
+        assert {r.split()[2] for r in rs} == {f"slot={s}" for s in range(n // tw)}
+        cut = bucket_mb == SMALLER_THAN_A_LEAF and n // tw > 2  # one hop (2 slots) never cuts
+        assert all(f"buckets={35 if cut else 1}" in r for r in rs), rs
+        assert all("views=True" in r for r in rs if "slot=0" in r), rs  # the trainer's cast left as it was
+
+
+# (3, 1, 1) is test_hop_chain_quick's, in the default suite.
+@pytest.mark.slow
+@pytest.mark.parametrize("n,tw,ndev", [(2, 1, 1), (4, 2, 1), (4, 1, 1), (3, 1, 2), (4, 2, 2)])
+def test_hop_chain_bit_exact(n, tw, ndev):
+    _check_bit_exact(n, tw, ndev)
 
 
 @pytest.mark.parametrize("n,freeze_a", [(2, False), (3, False), (3, True)])
@@ -137,10 +150,7 @@ def test_hop_chain_quick(n, ndev):
     back together bit for bit. 2 x 2: every slot is a 2-device mesh, so each leaf moves split in 2 shards (half on
     each chip, chip k to chip k), sent from the buffers of the trainer's own cast on a mesh of another order and
     shape, and every receiving chip ends up with it whole (one hop: a single bucket whatever bucket_mb says)."""
-    results = _run(n, 1, ndev=ndev, bucket_mb=SMALLER_THAN_A_LEAF)
-    assert len(results) == 2 * n and all("ok=True" in r for r in results), results
-    assert all(f"buckets={35 if n > 2 else 1}" in r for r in results), results
-    assert all("views=True" in r for r in results if "slot=0" in r), results
+    _check_bit_exact(n, 1, ndev)
 
 
 def test_sync_layout_splits_every_large_leaf_and_is_one_placement_on_any_mesh_of_the_same_order():
