@@ -54,6 +54,35 @@ def unit_of(nodeid: str) -> str:
     return module
 
 
+# Under the packing below, the worker that runs in-process modules lowers its CPU priority by this much at its first
+# test: the Ray unit is CI's critical path (its tests run one after another and took all of pytest's wall time), and
+# beside in-process tests at equal priority a Ray test took 2-4x its time alone (the chaos test's two-trainer run
+# 420-470 s against 217 s). At a lower priority the in-process tests run in the cores the multi-process runs leave
+# idle (~0.65 of 2, a run alone), and they have no time limits tight enough to be hit by waiting.
+IN_PROCESS_NICE = 10
+_niced = False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """On the controller: tells each xdist worker whether the packing below is on (a worker's own `dist` is "no")."""
+    node.workerinput["asyncrl_packed"] = node.config.getvalue("dist") == "loadfile"
+
+
+def pytest_runtest_setup(item):
+    global _niced
+    if _niced or not getattr(item.config, "workerinput", {}).get("asyncrl_packed") or unit_of(item.nodeid) == RAY_UNIT:
+        return
+    _niced = True
+    # Linux keeps a niceness per thread, and new threads and processes inherit their creator's: every thread of this
+    # worker that exists now (XLA's pools among them), and so everything they start later.
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), max(os.getpriority(os.PRIO_PROCESS, int(tid)), IN_PROCESS_NICE))
+        except (OSError, ValueError):
+            pass
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`pytest -n 2 --dist loadfile` (.ci/run: the whole suite, slow tests included): each module is one unit of

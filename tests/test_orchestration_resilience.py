@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, TINY, check_data_positions, end_session, kl_jumps, launch, launch_env, rows
+from tests.helpers import ROOT, TINY, end_session, kl_jumps, launch, launch_env, rows
 
 pytestmark = pytest.mark.slow
 # With the KL term: the resume must also restore its reference (the warm-started policy), which
@@ -78,13 +78,14 @@ def test_resume_equals_uninterrupted(tmp_path):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-@pytest.mark.parametrize("restarts", [1, 0])
-def test_inference_host_killed(tmp_path, restarts):
+def test_inference_host_killed_without_restarts_fails_naming_it(tmp_path):
+    """run.max_restarts=0: an inference host's death ends the run, named. (Killed and restarted: test_chaos.py,
+    whose every run kills an inference host.)"""
     run_dir = str(tmp_path / "run")
     env = launch_env()
     # 30 steps, the kill at step 3: the death must be seen mid-run (at 8 steps a loaded CI machine finished the run
     # on the surviving inference host before Ray reported the death).
-    args = [*TINY, "train.total_steps=30", "checkpoint.every_n_steps=2", f"run.max_restarts={restarts}",
+    args = [*TINY, "train.total_steps=30", "checkpoint.every_n_steps=2", "run.max_restarts=0",
             "eval.every_n_steps=0", "async.queue_timeout_s=60"]
     proc = subprocess.Popen([sys.executable, "launch.py", f"run.run_dir={run_dir}", "logging.ray_metrics=false", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -95,13 +96,8 @@ def test_inference_host_killed(tmp_path, restarts):
     os.kill(victim["pid"], signal.SIGKILL)
     out, err = proc.communicate(timeout=400)
     assert time.time() - t0 < 400
-    if restarts:
-        assert proc.returncode == 0, err[-4000:]
-        assert f"host {victim['rank']} (inference)" in err and "restarting" in err
-        assert [r["step"] for r in rows(run_dir)] == list(range(1, 31))
-    else:
-        assert proc.returncode == 1
-        assert f"host {victim['rank']} (inference) failed" in err
+    assert proc.returncode == 1
+    assert f"host {victim['rank']} (inference) failed" in err
 
 
 def test_submit_to_running_cluster(tmp_path):
@@ -210,21 +206,3 @@ def test_a_host_killed_during_startup_is_restarted(tmp_path):
     assert "fault injection: kill at startup (rank 1, step 0)" in err
     assert "host 1 (inference) failed: died during the jax.distributed join" in err and "restarting" in err, err[-3000:]
     assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
-
-
-def test_two_trainer_hosts_killed_at_max_lag_2_resume_exactly(tmp_path):
-    """Two trainer hosts, max_lag 2: trainer rank 1 is SIGKILLed as it starts step 13 (faults.py), the run restarts
-    from its checkpoint of step 10 and completes. From the rollout logs of both ranks (cut back to the checkpoint on
-    resume) and the final checkpoint: no data position trained twice, and every position released was trained,
-    dropped or is still in flight (nothing skipped)."""
-    run_dir = str(tmp_path / "run")
-    res = launch(run_dir, *TINY, "train.total_steps=20", "run.hosts=4", "async.train_workers=2", "async.max_lag=2",
-                 "checkpoint.every_n_steps=5", "run.max_restarts=1", "eval.every_n_steps=0",
-                 "async.queue_timeout_s=60", "logging.rollouts_every_n_steps=1", "inference.max_seq_len=32",
-                 env_extra={"ASYNCRL_FAULTS": "kill@step:1:13"}, timeout=900)
-    err = res.stderr
-    assert res.returncode == 0, err[-4000:]
-    assert "fault injection: kill at step (rank 1, step 13)" in err
-    assert "host 1 (trainer)" in err and "from checkpoint step 10" in err, err[-3000:]
-    assert [r["step"] for r in rows(run_dir)] == list(range(1, 21))
-    check_data_positions(run_dir, 20, 8)
