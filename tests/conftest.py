@@ -11,6 +11,30 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: heavy test (real model, multi-process); deselect with -m 'not slow'")
+    _in_process_compile_cache(config)
+
+
+def _in_process_compile_cache(config) -> None:
+    """A persistent JAX compilation cache for the programs this pytest process compiles, in a temp folder of its own
+    (each xdist worker's), set before anything compiles (JAX decides once per process whether to use it). Tests build
+    many trainers and engines of the same shapes, each with jitted functions of its own that compile the same
+    programs again: five in-process modules took 7:14 (660 CPU-s) without it and 5:24 (471 CPU-s) with it, from an
+    empty cache (2026-12-07). Set through jax.config, not the environment: the processes tests start (launch.py runs,
+    the multi-process workers) keep their own settings (`helpers.launch_env`). Tests that count compilations count
+    the cache's hits with them (`test_compile_stability_after_warmup`). ASYNCRL_TEST_IN_PROCESS_CACHE=0: off."""
+    if os.environ.get("ASYNCRL_TEST_IN_PROCESS_CACHE", "1") == "0":
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    import jax
+
+    path = tempfile.mkdtemp(prefix="asyncrl-jax-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_addoption(parser):
@@ -54,11 +78,13 @@ def unit_of(nodeid: str) -> str:
     return module
 
 
-# Under the packing below, the worker that runs in-process modules lowers its CPU priority by this much at its first
-# test: the Ray unit is CI's critical path (its tests run one after another and took all of pytest's wall time), and
-# beside in-process tests at equal priority a Ray test took 2-4x its time alone (the chaos test's two-trainer run
-# 420-470 s against 217 s). At a lower priority the in-process tests run in the cores the multi-process runs leave
-# idle (~0.65 of 2, a run alone), and they have no time limits tight enough to be hit by waiting.
+# Under the packing below, the worker that runs in-process modules lowers its CPU priority at its first test. The Ray
+# unit is CI's critical path (its tests run one after another, for most of pytest's wall time), and Ray starts its
+# worker processes, our host actors, at niceness 15 (`RAY_worker_niceness`, so that its own daemons stay responsive):
+# beside an in-process test at 0, a host got 36/1060 of a contended core (CFS weights), and a Ray test took 2-4x its
+# time alone (the chaos test's two-trainer run 420-470 s against 217 s). At 10 the in-process worker still gets
+# 110/146 of a core both want: at 19 (15/51) it would become the critical path itself (measured at 10: the Ray unit
+# done at ~38 of 44.5 min, the in-process modules last). None of them has a time limit that waiting could hit.
 IN_PROCESS_NICE = 10
 _niced = False
 

@@ -77,7 +77,7 @@ def test_chaos_three_kills_one_during_a_weight_sync(tmp_path, variant):
     sync_step = int(rng.integers(8, 20))
     sync_rank = int(rng.integers(0, n_hosts))
     # The last kill leaves 15 steps: with only 5, a fast machine could finish the run before Ray reports the death
-    # of an inference host (seen once in test_inference_host_killed).
+    # of an inference host (seen once in the single-kill test that was folded in here).
     external = sorted(int(x) for x in rng.choice(np.arange(24, 46), size=2, replace=False))
     # One external kill to a trainer host and one to an inference host, in random order, so that every run sees
     # both roles die: the last trainer rank (with two trainers, the one that is not the jax.distributed coordinator;

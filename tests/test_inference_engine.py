@@ -98,9 +98,13 @@ def test_force_end_of_think_leaves_rows_that_ended_thinking_alone():
 def test_compile_stability_after_warmup(model_params, tok):
     model, params = model_params
     compiles = []
+    # A program compiled, or loaded from the persistent compilation cache (tests/conftest.py: a program another
+    # test compiled first is a hit, which a jit cache miss after warm-up would be too).
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
     )
+    jax.monitoring.register_event_listener(
+        lambda name, **k: compiles.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
     cfg = dataclasses.replace(BASE, max_seq_len=64, min_prefill_bucket=8)
     eng = Engine(model, params, cfg, tok, seed=1)
     # On the CPU the engine decodes with per-layer weights, split once here (and once per weight sync).
