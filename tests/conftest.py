@@ -83,8 +83,9 @@ def unit_of(nodeid: str) -> str:
 # worker processes, our host actors, at niceness 15 (`RAY_worker_niceness`, so that its own daemons stay responsive):
 # beside an in-process test at 0, a host got 36/1060 of a contended core (CFS weights), and a Ray test took 2-4x its
 # time alone (the chaos test's two-trainer run 420-470 s against 217 s). At 10 the in-process worker still gets
-# 110/146 of a core both want: at 19 (15/51) it would become the critical path itself (measured at 10: the Ray unit
-# done at ~38 of 44.5 min, the in-process modules last). None of them has a time limit that waiting could hit.
+# 110/146 of a core both want, and finishes last already (measured at 10, with the compilation cache below: the Ray
+# unit done at ~36 of 39 min); at 19 (15/51) it would finish later still (not measured). None of the in-process tests
+# has a time limit that waiting could hit.
 IN_PROCESS_NICE = 10
 _niced = False
 
