@@ -11,10 +11,10 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: heavy test (real model, multi-process); deselect with -m 'not slow'")
-    _in_process_compile_cache(config)
+    _in_process_compile_cache()
 
 
-def _in_process_compile_cache(config) -> None:
+def _in_process_compile_cache() -> None:
     """A persistent JAX compilation cache for the programs this pytest process compiles, in a temp folder of its own
     (each xdist worker's), set before anything compiles (JAX decides once per process whether to use it). Tests build
     many trainers and engines of the same shapes, each with jitted functions of its own that compile the same

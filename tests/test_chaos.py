@@ -1,9 +1,9 @@
 """Chaos test (slow), in the spirit of Jepsen's nemesis: a run of 60 steps at max_lag=2, a checkpoint every 5 steps,
 up to 4 restarts, and three SIGKILLs: one injected *inside* a weight sync (`ASYNCRL_FAULTS`, see
 asyncrl/orchestration/faults.py) on a random host, and two sent from here at random steps, one to a trainer host and
-one to a random inference host, in random order. Two variants: 3 hosts (1
-trainer, 2 inference), and 4 hosts with two trainer hosts and the KL term on (from the format warm-start), whose
-reference must survive every restart. The seed is printed on failure; `CHAOS_SEED=n` replays a schedule.
+one to a random inference host, in random order. Two variants: 3 hosts (1 trainer, 2 inference), and 4 hosts with two
+trainer hosts and the KL term on (from the format warm-start), whose reference must survive every restart. The seed
+is printed on failure; `CHAOS_SEED=n` replays a schedule.
 
 What must hold afterwards:
 - the run completes, after exactly three restarts;
