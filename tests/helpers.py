@@ -179,8 +179,8 @@ def launch_env(extra: dict[str, str] | None = None, compile_cache: bool = True) 
     Runs with several trainer hosts compile afresh (`compile_cache=False`): there the second trainer loads what the
     first wrote, and after a restart the two ran mismatched collectives (gloo "Received data size doesn't match
     expected size. 64 vs 4", trainer 1 aborted; reproduced with two trainers, the KL term and a kill in a weight
-    sync, 2026-12-07). With one trainer no collective spans two processes. In-process tests never use the cache: a
-    hit leaves jit's own cache empty, and some of them count compiled programs."""
+    sync, 2026-12-07). With one trainer no collective spans two processes. In-process tests use a cache of their own
+    process instead (`conftest._in_process_compile_cache`), set through jax.config, which no launched run inherits."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "RAY_ADDRESS")}
     if compile_cache and os.environ.get(COMPILE_CACHE_VAR):
         env["JAX_COMPILATION_CACHE_DIR"] = os.environ[COMPILE_CACHE_VAR]
