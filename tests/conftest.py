@@ -11,7 +11,8 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: heavy test (real model, multi-process); deselect with -m 'not slow'")
-    _in_process_compile_cache()
+    if not (config.getoption("numprocesses", None) and not hasattr(config, "workerinput")):  # not xdist's controller
+        _in_process_compile_cache()
 
 
 def _in_process_compile_cache() -> None:
